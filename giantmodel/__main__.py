@@ -1,0 +1,5 @@
+import sys
+
+from giantmodel.cli import main
+
+sys.exit(main())

@@ -1,0 +1,101 @@
+"""``giantmodel convert``: giantmodel checkpoints to Hugging Face and back.
+
+giantmodel -> HF: SRC is a run directory (its newest checkpoint), its
+``checkpoints`` directory or one ``step-N`` directory; the model shape comes
+from the run's ``config.yaml``. The DCP checkpoint is read in one process, with
+no process group, whatever layout wrote it.
+
+HF -> giantmodel: SRC is a HF directory; DST becomes a run directory holding
+``config.yaml`` (the model section) and ``checkpoints/step-00000000``, usable
+as ``checkpoint.init_from`` or by ``giantmodel generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+import yaml
+
+from giantmodel.config.errors import UserInputError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500MB or 2GB")
+    scale = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9}
+    return int(float(m.group(1)) * scale[m.group(2)])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="giantmodel run/checkpoint directory, or a Hugging Face "
+                                    "model directory")
+    parser.add_argument("dst", help="output directory (must not already hold weights)")
+    parser.add_argument("--to", choices=("hf", "giantmodel"), default=None,
+                        help="target format; default: the opposite of SRC's format")
+    parser.add_argument("--step", type=int, default=None,
+                        help="giantmodel -> hf: which checkpoint step (default: the latest)")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
+                        help="cast floating weights (default: keep the stored dtype)")
+    parser.add_argument("--max-shard-size", type=_size, default="2GB",
+                        help="giantmodel -> hf: split safetensors above this size (default 2GB)")
+
+
+def to_hf_dir(src: str | Path, dst: str | Path, step: int | None = None,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 10**9) -> Path:
+    from giantmodel.checkpoint.layout import resolve_checkpoint_dir
+    from giantmodel.checkpoint.weights import load_model_from_checkpoint, read_model_config
+    from giantmodel.models.hf import to_hf
+
+    step_dir = resolve_checkpoint_dir(src, step)
+    cfg = read_model_config(step_dir)
+    model = load_model_from_checkpoint(step_dir)
+    to_hf(model, cfg, dst, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    return step_dir
+
+
+def to_giantmodel_dir(src: str | Path, dst: str | Path,
+                      dtype: torch.dtype | None = None) -> Path:
+    from giantmodel.checkpoint.manager import CheckpointManager
+    from giantmodel.checkpoint.state import ModelState
+    from giantmodel.config.loader import to_dict
+    from giantmodel.config.train import CheckpointConfig
+    from giantmodel.models.hf import from_hf
+
+    dst = Path(dst)
+    if (dst / "checkpoints").exists() or (dst / "config.yaml").exists():
+        raise UserInputError(f"{dst} already holds a giantmodel run; convert into a new directory")
+    model = from_hf(src, dtype=dtype)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.yaml").write_text(yaml.safe_dump({"model": to_dict(model.cfg)},
+                                                    sort_keys=False))
+    manager = CheckpointManager(CheckpointConfig(keep=0), dst, is_rank0=True)
+    manager.save(0, {"model": ModelState([model])})
+    manager.close()
+    return manager.step_dir(0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from giantmodel.checkpoint.weights import is_hf_dir
+
+    src = Path(args.src)
+    if not src.exists():
+        raise UserInputError(f"{src}: no such directory")
+    target = args.to or ("giantmodel" if is_hf_dir(src) else "hf")
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if target == "hf":
+        if is_hf_dir(src):
+            raise UserInputError(f"{src} is already a Hugging Face directory")
+        step_dir = to_hf_dir(src, args.dst, args.step, dtype, args.max_shard_size)
+        print(f"wrote Hugging Face model to {args.dst} (from {step_dir})")
+    else:
+        if not is_hf_dir(src):
+            raise UserInputError(f"{src} is not a Hugging Face directory (no config.json)")
+        step_dir = to_giantmodel_dir(src, args.dst, dtype)
+        print(f"wrote giantmodel checkpoint {step_dir} and {Path(args.dst) / 'config.yaml'}")
+    return 0

@@ -1,0 +1,88 @@
+"""Model weights alone: initialise from a checkpoint or a HF directory, read a
+checkpoint's model config, and build a whole model from a checkpoint (for
+``generate`` and ``convert``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from giantmodel.checkpoint import layout
+from giantmodel.checkpoint.manager import dcp_load
+from giantmodel.checkpoint.state import ModelState
+from giantmodel.config.errors import UserInputError
+from giantmodel.config.model import ModelConfig
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and not (p / layout.DCP_METADATA).is_file()
+
+
+def load_model_weights(parts: nn.Module | list[nn.Module], path: str | os.PathLike,
+                       process_group=None) -> Path:
+    """Fill ``parts`` (plain, sharded or pipeline stages) with the weights
+    saved at ``path``: a HF directory, or a giantmodel run directory,
+    ``checkpoints`` directory or step directory (its newest checkpoint).
+    Optimizer and other state in the checkpoint are ignored. Returns the
+    directory read. Under a process group every rank must call this."""
+    parts = [parts] if isinstance(parts, nn.Module) else list(parts)
+    if is_hf_dir(path):
+        from giantmodel.models.hf import load_hf_into
+        load_hf_into(parts, path)
+        return Path(path)
+    step_dir = layout.resolve_checkpoint_dir(path)
+    try:
+        dcp_load({"model": ModelState(parts)}, step_dir, process_group)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - name the likely cause
+        raise UserInputError(f"{step_dir}: cannot load model weights ({e}); does the checkpoint "
+                             "come from a model with this config?") from e
+    return step_dir
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a giantmodel checkpoint: from the run's
+    ``config.yaml`` (``run.dir/config.yaml``, two levels above a step
+    directory), else from the checkpoint's own ``meta.json``."""
+    from giantmodel.config.loader import from_dict
+
+    step_dir = layout.resolve_checkpoint_dir(path)
+    for candidate in (step_dir.parent.parent / "config.yaml", step_dir / "config.yaml"):
+        if candidate.is_file():
+            raw = yaml.safe_load(candidate.read_text()) or {}
+            if "model" in raw:
+                return from_dict(ModelConfig, raw["model"], prefix="model")
+    meta = layout.read_meta(step_dir)
+    if "model_config" in meta:
+        return from_dict(ModelConfig, meta["model_config"], prefix="model")
+    raise UserInputError(f"{step_dir}: cannot tell the model's shape: no config.yaml in the run "
+                         "directory and no model_config in meta.json")
+
+
+def load_model_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
+                               dtype: torch.dtype | None = None) -> nn.Module:
+    """A whole model built from a checkpoint's config and weights (one
+    process, no process group), in eval mode, carrying ``model.cfg``."""
+    from giantmodel.models.registry import build_model
+
+    if is_hf_dir(path):
+        from giantmodel.models.hf import from_hf
+        return from_hf(path, device=device, dtype=dtype)
+    cfg = read_model_config(path)
+    model = build_model(cfg, device="meta")
+    model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "tie_weights"):
+            module.tie_weights()
+    load_model_weights([model], path)
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(device=device)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()

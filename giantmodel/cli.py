@@ -1,0 +1,175 @@
+"""``giantmodel`` command line: subcommands only, each delegating to one function.
+
+Bad user input (config keys, paths, layouts) raises ConfigError or
+UserInputError; they are printed as a single ``error:`` line with exit status
+2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--config", "-c", required=required,
+                   help="YAML job config (default: the embedded tiny LLaMA on the stdlib corpus)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides applied after the file, e.g. train.steps=100 parallel.tp=2")
+
+
+# ------------------------------------------------------------------ train
+def _cmd_train(args) -> int:
+    from giantmodel.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
+        return _launch_local(args, cfg)
+    from giantmodel.train.trainer import run_training
+
+    run_training(cfg)
+    return 0
+
+
+def _launch_local(args, cfg) -> int:
+    """Spawn ``--nproc-per-node`` ranks through torch's elastic launcher,
+    after validating the layout for that world size (so errors come before
+    any rank starts)."""
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    from torch.distributed.run import main as torchrun_main
+
+    ParallelDims.from_config(cfg, args.nproc_per_node)
+    argv = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "giantmodel", "train"]
+    if args.config:
+        argv += ["--config", args.config]
+    torchrun_main(argv + list(args.overrides))
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a YAML config",
+                       description="Train from a YAML config (default: the embedded tiny LLaMA). "
+                       "Runs in one process, under torchrun, or spawns local ranks with "
+                       "--nproc-per-node.")
+    _add_config_args(p)
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="spawn this many local ranks through torch.distributed.run")
+    p.set_defaults(func=_cmd_train)
+
+
+# --------------------------------------------------------------- generate
+def _cmd_generate(args) -> int:
+    from giantmodel.train.sampling import generate_from_args
+    print(generate_from_args(args))
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a checkpoint or HF model",
+                       description="Sample from a run directory's latest checkpoint "
+                       "(--run-dir), a given checkpoint (--checkpoint) or a Hugging Face "
+                       "directory (--hf).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", help="run directory holding config.yaml and checkpoints/")
+    src.add_argument("--checkpoint", help="a checkpoint directory (step-XXXXXXXX) of a run")
+    src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--tokenizer", help="tokenizer (.model or tokenizer.json); default: the run's")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_generate)
+
+
+# ---------------------------------------------------- delegated commands
+def _delegate(sub, name: str, help_text: str, module: str, add_fn: str, run_fn: str) -> None:
+    """A subcommand whose arguments and body live in another module; the
+    module is imported only when the subcommand is used."""
+    import importlib
+
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:  # keep the rest of the CLI usable
+        p.set_defaults(func=lambda args: _unavailable(name, e))
+        return
+    getattr(mod, add_fn)(p)
+    p.set_defaults(func=getattr(mod, run_fn))
+
+
+def _unavailable(name: str, err: Exception) -> int:
+    print(f"error: 'giantmodel {name}' is unavailable: {err}", file=sys.stderr)
+    return 2
+
+
+def _cmd_version(args) -> int:  # noqa: ARG001
+    import torch
+
+    import giantmodel
+    import giantmodel.comm as comm
+
+    status = comm.extension_status() if hasattr(comm, "extension_status") else "unknown"
+    print(f"giantmodel {giantmodel.__version__}")
+    print(f"torch {torch.__version__} (cuda {torch.version.cuda or 'none'})")
+    print(f"comm extension: {status}")
+    return 0
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: comm collectives, training throughput, hardware",
+                       description="Benchmarks. 'comm': collectives x sizes x backends; "
+                       "'train': training throughput of a config; 'hw': this machine's profile.")
+    bsub = p.add_subparsers(dest="bench", metavar="{comm,train,hw}")
+    bsub.required = True
+    _delegate(bsub, "comm", "collective bandwidth table (nccl-tests algbw/busbw)",
+              "giantmodel.comm.bench", "add_arguments", "main")
+    _delegate(bsub, "train", "tokens/s, TFLOP/s, MFU and peak memory of a config",
+              "giantmodel.train.bench", "add_arguments", "main")
+    _delegate(bsub, "hw", "measure this machine's FLOP/s and bandwidth as a planner profile",
+              "giantmodel.planner.hwbench", "add_arguments", "main")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="giantmodel",
+        description="Train GPT and LLaMA models with N-D parallelism from one YAML file.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_train(sub)
+    _delegate(sub, "preprocess", "tokenize jsonl/text/parquet/HF datasets into a Megatron "
+              "indexed dataset (.bin/.idx)", "giantmodel.data.commands",
+              "add_preprocess_arguments", "run_preprocess")
+    _delegate(sub, "tokenizer", "train a SentencePiece tokenizer", "giantmodel.data.commands",
+              "add_tokenizer_arguments", "run_tokenizer")
+    _add_generate(sub)
+    _delegate(sub, "convert", "convert between giantmodel checkpoints and Hugging Face format",
+              "giantmodel.checkpoint.convert", "add_arguments", "main")
+    _delegate(sub, "estimate", "predict memory, step time and MFU of a config before launch",
+              "giantmodel.planner.commands", "add_estimate_arguments", "run_estimate")
+    _delegate(sub, "plan", "search parallel layouts for a cluster and write the best as YAML",
+              "giantmodel.planner.commands", "add_plan_arguments", "run_plan")
+    _add_bench(sub)
+    p = sub.add_parser("version", help="print versions and the comm extension status")
+    p.set_defaults(func=_cmd_version)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from giantmodel.config.errors import ConfigError, UserInputError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UserInputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""giantmodel's communication core: the "giant" torch.distributed backend.
+
+``register_backend()`` (called by ``import giantmodel``) makes
+``torch.distributed.init_process_group("giant")`` and
+``new_group(backend="giant")`` available. It only registers a creator: no
+compilation, no process group, nothing slow happens at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+from giantmodel.comm.config import CommConfig
+
+__all__ = ["CommConfig", "backend_for", "register_backend", "BACKEND_NAME"]
+
+BACKEND_NAME = "giant"
+
+
+def register_backend() -> None:
+    """Register "giant" with torch.distributed for cpu and cuda; idempotent."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+
+    def _create(dist_opts, backend_opts=None):
+        from giantmodel.comm.backend import create_giant_backend
+
+        return create_giant_backend(dist_opts, backend_opts)
+
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                  devices=["cpu", "cuda"])
+
+
+def backend_for(cfg: CommConfig, device_type: str) -> str:
+    """The backend name to pass to ``init_process_group`` for ``cfg``.
+
+    "auto" means nccl on CUDA and gloo otherwise. For "giant" this also
+    exports the config's tuning fields (``GIANTMODEL_COMM_*``) so the backend
+    that torch creates in this process, and ranks it spawns, read them.
+    """
+    cfg.validate()
+    if cfg.backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if cfg.backend == "nccl" and device_type != "cuda":
+        from giantmodel.config.errors import ConfigError
+
+        raise ConfigError(f"nccl needs CUDA but the device is {device_type!r}; use "
+                          "comm.backend=gloo, giant or auto", key="comm.backend")
+    if cfg.backend == BACKEND_NAME:
+        register_backend()
+        os.environ.update(cfg.to_env())
+    return cfg.backend

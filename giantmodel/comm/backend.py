@@ -1,0 +1,410 @@
+"""The "giant" torch.distributed backend: a ProcessGroup that torch calls.
+
+``GiantProcessGroup`` is what ``init_process_group("giant")`` and
+``new_group(backend="giant")`` return. For CPU tensors on one host it runs the
+C++ shared-memory core; across hosts it runs the hierarchical all-reduce
+(:mod:`giantmodel.comm.hierarchical`). Everything else -- other dtypes and
+ops, uneven splits, point-to-point, CUDA tensors -- goes to an inner gloo
+(CPU) or NCCL (CUDA) backend over the same store, so a result is either
+accelerated or exactly the stock one, never an approximation.
+
+The inner gloo backend is also registered as this group's CPU backend. Torch
+reads a group's name through its registered backends, and FSDP2 and the
+functional collectives look groups up by name, so without it they fail with
+"ProcessGroup name not set".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.distributed import ReduceOp
+from torch.futures import Future
+
+from giantmodel.comm import _lib
+from giantmodel.comm.config import BackendSettings
+from giantmodel.comm.engine import Engine
+from giantmodel.comm.hierarchical import HierarchicalAllReduce
+from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
+from giantmodel.comm.topology import Topology
+
+log = logging.getLogger(__name__)
+
+_OPS = {ReduceOp.RedOpType.SUM: OP_SUM, ReduceOp.RedOpType.AVG: OP_AVG,
+        ReduceOp.RedOpType.MAX: OP_MAX, ReduceOp.RedOpType.MIN: OP_MIN}
+
+
+def _op_and_scale(red, world: int) -> tuple[int | None, float]:
+    """(core op code, scale) for a ReduceOp, or (None, 0) when not handled."""
+    kind = getattr(red, "op", red)
+    if kind == ReduceOp.RedOpType.PREMUL_SUM:
+        factor = getattr(red, "factor", None)
+        return (OP_AVG, float(factor)) if isinstance(factor, float) else (None, 0.0)
+    code = _OPS.get(kind)
+    return code, (1.0 / world if code == OP_AVG else 1.0)
+
+
+def _done(value) -> dist.Work:
+    fut: Future = Future()
+    fut.set_result(value)
+    return _create_work_from_future(fut)
+
+
+class GiantProcessGroup(dist.ProcessGroup):
+    """Shared-memory collectives with gloo/NCCL underneath."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta,
+                 global_ranks: list[int] | None = None,
+                 settings: BackendSettings | None = None):
+        super().__init__(rank, size)
+        self._settings = settings or BackendSettings.from_env()
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
+                               self._gloo)
+        self._nccl = self._make_nccl(store, rank, size, timeout)
+        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        self.topology = Topology.discover(store, rank, size, global_ranks, self._settings)
+        self._shm: ShmGroup | None = None
+        self._hier: HierarchicalAllReduce | None = None
+        self._coalescing: list[dist.Work] | None = None
+        self._store, self._timeout, self._generation = store, timeout, 0
+        self._use_hier = self.topology.hierarchical
+        if _lib.load() is not None and (self.topology.num_nodes == 1 or self.topology.hierarchical):
+            self._shm = self._make_shm(self._settings.chunk_bytes)
+            if self.topology.hierarchical:
+                self._hier = HierarchicalAllReduce(self._shm, store, self.topology, timeout)
+        topo = self.topology
+        use_sched = self._settings.priority and self._shm is not None and topo.num_nodes == 1
+        self._engine = Engine(f"giant{size}", sched=self._shm if use_sched else None,
+                              leader=rank == 0)
+
+    @staticmethod
+    def _make_nccl(store, rank: int, size: int, timeout: timedelta):
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            return None
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+        return pg
+
+    def _make_shm(self, chunk_bytes: int) -> ShmGroup:
+        topo = self.topology
+        threads = self._settings.threads or max(1, (os.cpu_count() or 1) // topo.local_size)
+        prefix = f"shm/{self._generation}/{topo.node_index}/"
+        self._generation += 1
+        return ShmGroup(_lib.load(), dist.PrefixStore(prefix, self._store), topo.local_rank,
+                        topo.local_size, chunk_bytes=chunk_bytes, threads=threads,
+                        timeout=self._timeout)
+
+    def reconfigure(self, chunk_bytes: int | None = None,
+                    hierarchical: bool | None = None) -> None:
+        """Switch chunk size and/or cross-node algorithm. Collective: every
+        rank of the group calls it with the same values, with no collective
+        in flight. Used by the autotuner."""
+        if self._shm is None:
+            return
+        self._engine.drain()
+        if chunk_bytes is not None and chunk_bytes != self._shm.chunk_bytes:
+            old, self._shm = self._shm, self._make_shm(chunk_bytes)
+            old.close()
+            if self._hier is not None:
+                self._hier.shm = self._shm
+            if self._engine.priority_mode:
+                self._engine.set_schedule(self._shm)
+        if hierarchical is not None and self._hier is not None:
+            self._use_hier = hierarchical
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._shm.chunk_bytes if self._shm is not None else 0
+
+    # ---- plumbing -------------------------------------------------------
+    def name(self) -> str:
+        return "giant"
+
+    def _get_backend_name(self) -> str:
+        return "giant"
+
+    @property
+    def accelerated(self) -> bool:
+        """True when CPU collectives run on the shared-memory core."""
+        return self._shm is not None
+
+    def _fast(self, tensors, op_code: int | None = OP_SUM, flat_only: bool = True) -> bool:
+        if self._shm is None or op_code is None:
+            return False
+        if flat_only and self.topology.num_nodes > 1:
+            return False
+        for t in tensors:
+            if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or t.is_sparse:
+                return False
+            if op_code == OP_AVG and not t.is_floating_point():
+                return False
+        return True
+
+    def _inner(self, tensors) -> dist.ProcessGroup:
+        if tensors and tensors[0].device.type == "cuda":
+            if self._nccl is None:
+                raise RuntimeError("CUDA tensor given to a giant group created without NCCL")
+            return self._nccl
+        return self._gloo
+
+    def _launch(self, job: Callable[[], object], opts=None, priority: int = 0) -> dist.Work:
+        if not getattr(opts, "asyncOp", True) and self._coalescing is None:
+            result = self._engine.run_inline(job)
+            if result is not NotImplemented:
+                return _done(result)
+        work = _create_work_from_future(self._engine.submit(job, priority))
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    def _delegated(self, work: dist.Work) -> dist.Work:
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    # ---- all-reduce family ---------------------------------------------
+    def _allreduce_one(self, t: torch.Tensor, op: int, scale: float) -> None:
+        if t.numel() == 0:
+            return
+        flat = t if t.is_contiguous() else t.contiguous()
+        if self._hier is not None and self._use_hier:
+            self._hier.all_reduce(flat.view(-1), op, scale)
+        else:
+            self._shm.all_reduce_scaled(flat, flat, op, scale)
+        if flat is not t:
+            t.copy_(flat)
+
+    def allreduce(self, tensors, opts=None, priority: int = 0):
+        opts = opts if isinstance(opts, dist.AllreduceOptions) else _ar_opts(opts)
+        op, scale = _op_and_scale(opts.reduceOp, self.size())
+        if not self._fast(tensors, op, flat_only=not self._use_hier):
+            return self._delegated(self._inner(tensors).allreduce(tensors, opts))
+
+        def job():
+            for t in tensors:
+                self._allreduce_one(t, op, scale)
+            return tensors
+        return self._launch(job, opts, priority)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        ar = dist.AllreduceOptions()
+        ar.reduceOp = opts.reduceOp if opts is not None else ReduceOp.SUM
+        ar.asyncOp = getattr(opts, "asyncOp", True)
+        return self.allreduce(list(tensors), ar)
+
+    def reduce(self, tensors, opts=None):
+        op, scale = _op_and_scale(opts.reduceOp, self.size())
+        if not self._fast(tensors, op) or len(tensors) != 1:
+            return self._delegated(self._inner(tensors).reduce(tensors, opts))
+        t, root = tensors[0], opts.rootRank
+
+        def job():
+            src = t.contiguous()
+            out = src if self.rank() == root else torch.empty_like(src)
+            if src.numel():
+                self._shm.all_reduce_scaled(src, out, op, scale)
+            if self.rank() == root and src is not t:
+                t.copy_(src)
+            return tensors
+        return self._launch(job, opts)
+
+    # ---- reduce-scatter / all-gather -----------------------------------
+    def reduce_scatter_single(self, output, input, opts=None):
+        op, scale = _op_and_scale(opts.reduceOp, self.size())
+        ok = (self._fast([input, output], op) and input.dtype == output.dtype
+              and input.numel() == output.numel() * self.size())
+        if not ok:
+            return self._delegated(self._inner([input])._reduce_scatter_base(output, input, opts))
+
+        def job():
+            inp = input.contiguous()
+            out = output if output.is_contiguous() else torch.empty_like(output)
+            if out.numel():
+                self._shm.reduce_scatter_scaled(inp, out, op, scale)
+            if out is not output:
+                output.copy_(out)
+            return [output]
+        return self._launch(job, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _chain(works, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        op, _ = _op_and_scale(opts.reduceOp, self.size())
+        if len(output_tensors) != 1 or not self._fast(output_tensors + list(input_lists[0]), op):
+            return self._delegated(self._inner(output_tensors).reduce_scatter(
+                output_tensors, input_lists, opts))
+        flat = torch.cat([t.reshape(-1) for t in input_lists[0]])
+        return self.reduce_scatter_single(output_tensors[0], flat, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        ok = (self._fast([input, output]) and input.dtype == output.dtype
+              and output.numel() == input.numel() * self.size())
+        if not ok:
+            return self._delegated(self._inner([input])._allgather_base(output, input, opts))
+
+        def job():
+            inp = input.contiguous()
+            out = output if output.is_contiguous() else torch.empty_like(output)
+            if inp.numel():
+                self._shm.all_gather(inp, out)
+            if out is not output:
+                output.copy_(out)
+            return [output]
+        return self._launch(job, opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _chain(works, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, output_lists, input_list, opts=None):
+        if len(input_list) != 1 or not self._fast(list(input_list) + list(output_lists[0])):
+            return self._delegated(self._inner(input_list).allgather(output_lists, input_list,
+                                                                     opts))
+        inp, outs = input_list[0], output_lists[0]
+
+        def job():
+            flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
+            if inp.numel():
+                self._shm.all_gather(inp.contiguous(), flat)
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+            return outs
+        return self._launch(job, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self._delegated(self._inner(input_list).allgather_coalesced(
+            output_lists, input_list, opts))
+
+    # ---- broadcast / all-to-all / barrier ------------------------------
+    def broadcast(self, tensors, opts=None):
+        if not self._fast(tensors) or len(tensors) != 1:
+            return self._delegated(self._inner(tensors).broadcast(tensors, opts))
+        t, root = tensors[0], opts.rootRank
+
+        def job():
+            buf = t if t.is_contiguous() else t.contiguous()
+            if buf.numel():
+                self._shm.broadcast(buf, root)
+            if buf is not t:
+                t.copy_(buf)
+            return tensors
+        return self._launch(job, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        even = not output_split_sizes and not input_split_sizes
+        ok = (even and self._fast([input, output]) and input.dtype == output.dtype
+              and input.numel() == output.numel() and input.numel() % self.size() == 0)
+        if not ok:
+            return self._delegated(self._inner([input]).alltoall_base(
+                output, input, output_split_sizes, input_split_sizes, opts))
+
+        def job():
+            inp = input.contiguous()
+            out = output if output.is_contiguous() else torch.empty_like(output)
+            if inp.numel():
+                self._shm.all_to_all(inp, out)
+            if out is not output:
+                output.copy_(out)
+            return [output]
+        return self._launch(job, opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return self._delegated(self._inner(input_tensors).alltoall(
+            output_tensors, input_tensors, opts))
+
+    def barrier(self, opts=None):
+        if self._shm is None or self.topology.num_nodes > 1:
+            return self._delegated(self._gloo.barrier(opts or dist.BarrierOptions()))
+
+        def job():
+            self._shm.barrier()
+            return []
+        return self._launch(job, opts)
+
+    # ---- delegated as-is -----------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        return self._delegated(self._inner(tensors).send(tensors, dst, tag))
+
+    def recv(self, tensors, src, tag=0):
+        return self._delegated(self._inner(tensors).recv(tensors, src, tag))
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._delegated(self._inner(tensors).recv_anysource(tensors, tag))
+
+    def gather(self, output_lists, input_list, opts=None):
+        return self._delegated(self._inner(input_list).gather(output_lists, input_list, opts))
+
+    def scatter(self, output_list, input_lists, opts=None):
+        return self._delegated(self._inner(output_list).scatter(output_list, input_lists, opts))
+
+    # ---- coalescing and lifetime ---------------------------------------
+    def _start_coalescing(self, device):
+        self._coalescing = []
+
+    def _end_coalescing(self, device):
+        works, self._coalescing = self._coalescing or [], None
+        return _chain(works, [])
+
+    def wait_pending(self, timeout: float | None = None) -> bool:
+        """Block until every queued collective finished (True) or timeout."""
+        return self._engine.drain(timeout)
+
+    def shutdown(self) -> None:
+        self._engine.drain(timeout=5)
+        self._engine.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    def abort(self) -> None:
+        if self._shm is not None:
+            self._shm.abort()
+        self._engine.close()
+
+
+def _ar_opts(op) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    if op is not None:
+        opts.reduceOp = op
+    return opts
+
+
+def _chain(works: list[dist.Work], value) -> dist.Work:
+    """One Work that completes when all of ``works`` have."""
+    if not works:
+        return _done(value)
+    futs = [w.get_future() for w in works]
+    combined = torch.futures.collect_all(futs).then(lambda f: [_raise_first(f.value()), value][1])
+    return _create_work_from_future(combined)
+
+
+def _raise_first(futs) -> None:
+    for f in futs:
+        f.value()  # re-raises a failed member's exception
+
+
+def create_giant_backend(dist_opts, backend_opts=None) -> GiantProcessGroup:
+    """Creator registered with ``torch.distributed.Backend.register_backend``."""
+    return GiantProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                             dist_opts.timeout, list(dist_opts.global_ranks_in_group or []))

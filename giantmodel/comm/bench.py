@@ -1,0 +1,239 @@
+"""``giantmodel bench comm``: collective bandwidth, giant next to gloo.
+
+Spawns its own local ranks and prints sizes x ops x backends with the time,
+algbw and busbw of each cell, using nccl-tests' definitions (S = the full
+buffer: the all-reduce buffer, the gathered/scattered whole):
+
+  all_reduce      busbw = algbw * 2(n-1)/n
+  reduce_scatter  busbw = algbw * (n-1)/n
+  all_gather      busbw = algbw * (n-1)/n
+  all_to_all      busbw = algbw * (n-1)/n
+  broadcast       busbw = algbw
+
+``ratio`` is giant's busbw over gloo's in the same run. ``--node-size K``
+makes giant treat every K ranks as one node (hierarchical all-reduce; only
+TCP between the emulated nodes) while gloo stays flat. ``--stream`` adds the
+host's STREAM copy/triad bandwidth, from which the memory-bound column is
+derived (see :func:`memory_bound_busbw`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0}
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B")
+    mult = _UNITS.get(text[-1:], 1)
+    num = text[:-1] if text[-1:] in _UNITS else text
+    try:
+        return int(float(num) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4K, 1M, 64M") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", default="2", help="comma list of local rank counts (2,4)")
+    parser.add_argument("--sizes", default="4K,1M,64M", help="comma list of buffer sizes")
+    parser.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather",
+                        help=f"comma list from {','.join(OPS)}")
+    parser.add_argument("--backends", default="giant,gloo", help="comma list: giant,gloo")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--node-size", type=int, default=0,
+                        help="emulate nodes of this many ranks for giant (hierarchical)")
+    parser.add_argument("--seconds", type=float, default=0.5,
+                        help="approximate timing budget per cell")
+    parser.add_argument("--stream", action="store_true",
+                        help="also measure memory bandwidth and the memory-bound busbw")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--timeout", type=float, default=600)
+
+
+def _run_op(op: str, buf, out, group, rank: int):
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(buf, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_single(out, buf, group=group)
+    elif op == "all_gather":
+        dist.all_gather_single(out, buf, group=group)
+    elif op == "all_to_all":
+        dist.all_to_all_single(out, buf, group=group)
+    elif op == "broadcast":
+        dist.broadcast(buf, src=0, group=group)
+
+
+def _buffers(op: str, nbytes: int, world: int, dtype):
+    """(buf, out) for one op, S = nbytes being the full buffer."""
+    import torch
+
+    esize = torch.tensor([], dtype=dtype).element_size()
+    n = max(world, nbytes // esize // world * world)
+    full = torch.ones(n, dtype=dtype)
+    if op == "reduce_scatter":
+        return full, torch.empty(n // world, dtype=dtype)
+    if op == "all_gather":
+        return full, torch.ones(n // world, dtype=dtype)  # out (full) <- buf (a part)
+    if op == "all_to_all":
+        return full, torch.empty_like(full)
+    return full, None
+
+
+def _cell(op, nbytes, world, group, rank, dtype, budget) -> float:
+    """Average seconds per call, max over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    buf, out = _buffers(op, nbytes, world, dtype)
+    if op == "all_gather":
+        buf, out = out, buf
+    _run_op(op, buf, out, group, rank)
+    dist.barrier()
+    t0 = time.perf_counter()
+    _run_op(op, buf, out, group, rank)
+    one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)
+    iters = int(max(2, min(2000, budget / max(float(one.item()), 1e-6))))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _run_op(op, buf, out, group, rank)
+    per = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)
+    return float(per.item())
+
+
+def _bench_ranks(rank: int, world: int, spec: dict) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    import giantmodel.comm as comm
+
+    comm.register_backend()
+    dtype = getattr(torch, spec["dtype"])
+    groups = {}
+    for name in spec["backends"]:
+        groups[name] = dist.new_group(backend=name) if name == "giant" else None
+    rows = []
+    for nbytes in spec["sizes"]:
+        for op in spec["ops"]:
+            for name, group in groups.items():
+                t = _cell(op, nbytes, world, group, rank, dtype, spec["seconds"])
+                algbw = nbytes / t / 1e9
+                rows.append({"ranks": world, "op": op, "bytes": nbytes, "backend": name,
+                             "dtype": spec["dtype"], "node_size": spec["node_size"],
+                             "time_us": t * 1e6, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * BUS_FACTOR[op](world)})
+    return rows
+
+
+def memory_bound_busbw(op: str, world: int, mem_gbps: float) -> float:
+    """busbw if the op moved only the bytes it cannot avoid, at mem_gbps.
+
+    Each rank must at least read its input and write its output in its own
+    memory, all ranks sharing one memory bus. For all-reduce of S bytes that
+    is 2*S per rank, so t >= 2*S*n / B and busbw <= 2(n-1)/n * S / t
+    = (n-1)/n^2 * B. For reduce-scatter (read S, write S/n) t >= S*(n+1)/B;
+    for all-gather (read S/n, write S) the same.
+    """
+    n = world
+    if op == "all_reduce":
+        return (n - 1) / n ** 2 * mem_gbps
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n * mem_gbps / (n + 1)
+    if op == "all_to_all":
+        return (n - 1) / n * mem_gbps / (2 * n)
+    return mem_gbps / n
+
+
+def stream_bandwidth() -> dict:
+    from giantmodel.comm import _lib
+
+    lib = _lib.load()
+    if lib is None:
+        return {}
+    out = {}
+    for threads in (1, 2):
+        out[f"copy_{threads}t"] = lib.gm_stream(256 << 20, threads, 0, 5)
+        out[f"triad_{threads}t"] = lib.gm_stream(256 << 20, threads, 1, 5)
+    return out
+
+
+def _add_ratios(rows: list[dict], mem: dict) -> None:
+    base = {(r["ranks"], r["op"], r["bytes"]): r for r in rows if r["backend"] == "gloo"}
+    bound_bw = max(mem.values()) if mem else 0.0
+    for r in rows:
+        ref = base.get((r["ranks"], r["op"], r["bytes"]))
+        r["ratio_vs_gloo"] = r["busbw_GBps"] / ref["busbw_GBps"] if ref else None
+        if bound_bw:
+            bound = memory_bound_busbw(r["op"], r["ranks"], bound_bw)
+            r["mem_bound_busbw_GBps"] = bound
+            r["fraction_of_bound"] = r["busbw_GBps"] / bound
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def format_table(rows: list[dict], mem: dict) -> str:
+    lines = []
+    if mem:
+        lines.append("memory bandwidth (GB/s): " +
+                     ", ".join(f"{k} {v:.1f}" for k, v in mem.items()))
+    head = (f"{'ranks':>5} {'op':<15}{'size':>6} {'backend':<8}{'time_us':>11}"
+            f"{'algbw':>9}{'busbw':>9}{'x gloo':>8}{'of bound':>9}")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['ratio_vs_gloo']:.2f}" if r.get("ratio_vs_gloo") else "-"
+        frac = f"{r['fraction_of_bound']:.0%}" if "fraction_of_bound" in r else "-"
+        lines.append(f"{r['ranks']:>5} {r['op']:<15}{_fmt_bytes(r['bytes']):>6} "
+                     f"{r['backend']:<8}{r['time_us']:>11.1f}{r['algbw_GBps']:>9.3f}"
+                     f"{r['busbw_GBps']:>9.3f}{ratio:>8}{frac:>9}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from giantmodel.testing import run_ranks
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise SystemExit(f"--ops: unknown {bad}; choose from {','.join(OPS)}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if any(b not in ("giant", "gloo") for b in backends):
+        raise SystemExit("--backends: use giant and/or gloo")
+    spec = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "ops": ops,
+            "backends": backends, "dtype": args.dtype, "node_size": args.node_size,
+            "seconds": args.seconds}
+    env = {"GIANTMODEL_COMM_NODE_SIZE": str(args.node_size)} if args.node_size else {}
+    mem = stream_bandwidth() if args.stream else {}
+    rows: list[dict] = []
+    for world in (int(r) for r in args.ranks.split(",")):
+        rows += run_ranks(_bench_ranks, world, spec, timeout=args.timeout, env=env,
+                          pg_timeout=args.timeout)[0]
+    _add_ratios(rows, mem)
+    if args.json:
+        print(json.dumps({"memory_GBps": mem, "host_cpus": os.cpu_count(), "rows": rows},
+                         indent=1))
+    else:
+        print(format_table(rows, mem))
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    raise SystemExit(main(p.parse_args()))

@@ -1,0 +1,112 @@
+"""Model shape section of the job config (``model.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from giantmodel.config.errors import ConfigError
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (Meta's Llama 3.1 recipe)."""
+
+    factor: float = 8.0
+    """Divisor applied to low frequencies (long wavelengths)."""
+    low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max_seq_len / low_freq_factor are fully scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths shorter than original_max_seq_len / high_freq_factor are left unscaled."""
+    original_max_seq_len: int = 8192
+    """Context length the unscaled model was trained at."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and shape of the transformer."""
+
+    arch: Literal["llama", "gpt"] = "llama"
+    """Model family: 'llama' (RMSNorm, RoPE, SwiGLU, GQA) or 'gpt' (GPT-2/3: LayerNorm, learned positions, GELU, biases)."""
+    name: str = "llama-tiny"
+    """Free-form name; used in run metadata and as the comm autotuner's cache key."""
+    hidden_size: int = 256
+    """Width of the residual stream (d_model)."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 8
+    """Attention (query) heads; hidden_size must be divisible by it."""
+    num_kv_heads: int | None = 4
+    """Key/value heads for grouped-query attention; null means num_heads (multi-head)."""
+    head_dim: int | None = None
+    """Per-head width; null means hidden_size // num_heads."""
+    ffn_hidden_size: int = 768
+    """Inner width of the MLP (SwiGLU gate/up width for llama, 4*hidden for classic GPT)."""
+    vocab_size: int = 4096
+    """Rows of the embedding table; must be at least the tokenizer's vocabulary size."""
+    max_seq_len: int = 512
+    """Longest sequence the model supports (RoPE table / learned position table size)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama only)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama-3 frequency scaling; null disables it."""
+    tie_embeddings: bool = False
+    """Share the token embedding matrix with the output head."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm / LayerNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init; output projections are scaled by 1/sqrt(2*num_layers)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches (GPT); 0 disables it."""
+    attn_bias: bool = False
+    """Bias on the q/k/v/o projections (GPT uses biases regardless)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        for key in ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                    "vocab_size", "max_seq_len"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"must be positive, got {getattr(self, key)}", f"model.{key}")
+        if self.num_kv_heads is not None and self.num_kv_heads <= 0:
+            raise ConfigError("must be positive or null", "model.num_kv_heads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                f"{self.num_heads}; change one of them or set model.head_dim", "model.num_heads")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(
+                f"num_heads {self.num_heads} is not divisible by num_kv_heads "
+                f"{self.kv_heads}; each kv head must serve a whole group of query heads",
+                "model.num_kv_heads")
+        if self.dim_per_head % 2 and self.arch == "llama":
+            raise ConfigError(f"RoPE needs an even head dim, got {self.dim_per_head}", "model.head_dim")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"must be in [0, 1), got {self.dropout}", "model.dropout")
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Exact parameter count of the model this config builds."""
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        q = self.num_heads * self.dim_per_head
+        kv = self.kv_heads * self.dim_per_head
+        if self.arch == "llama":
+            bias = (q + 2 * kv + h) if self.attn_bias else 0
+            per_layer = h * (q + 2 * kv) + q * h + bias + 3 * h * f + 2 * h
+            final_norm = h
+            pos = 0
+        else:
+            per_layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + h
+                         + 2 * h * f + f + h + 4 * h)
+            final_norm = 2 * h
+            pos = self.max_seq_len * h
+        total = L * per_layer + final_norm
+        if include_embeddings:
+            total += v * h + pos + (0 if self.tie_embeddings else v * h)
+        return total
+

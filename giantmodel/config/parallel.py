@@ -1,0 +1,78 @@
+"""Parallel layout section of the job config (``parallel.*``).
+
+Only checks that need no world size live here; checks against the world size
+and the model shape are in :mod:`giantmodel.distributed.parallel_dims`, which
+runs them before any process group is created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from giantmodel.config.errors import ConfigError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each parallel dimension and how they are realised."""
+
+    dp: int = -1
+    """Data-parallel degree; -1 fills whatever ranks tp*pp*cp leave."""
+    zero: int = 0
+    """ZeRO stage: 0 replicated (bucketed all-reduce), 1 optimizer states sharded, 2 gradients too, 3 parameters too (FSDP2)."""
+    shard_group_size: int | None = None
+    """Hybrid sharding (HSDP): shard within groups of this many dp ranks and replicate across groups; null shards across all of dp."""
+    tp: int = 1
+    """Tensor-parallel degree: splits heads, MLP, embedding and output head."""
+    sp: bool = False
+    """Sequence parallelism on top of tp: norms and dropout run on sequence shards."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of stages per model replica)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = "1f1b"
+    """Pipeline schedule; interleaved and zero-bubble schedules need pp_virtual > 1."""
+    pp_virtual: int = 1
+    """Virtual stages (model chunks) per pipeline rank, for interleaved schedules."""
+    pp_layers: list[int] | None = None
+    """Hand-made split: transformer layers per stage (pp*pp_virtual entries); null balances by cost."""
+    pp_microbatches: int | None = None
+    """Micro-batches per pipeline step; null derives it from train.global_batch_size / (micro_batch_size * dp)."""
+    cp: int = 1
+    """Context-parallel degree: splits the sequence of causal attention across ranks."""
+    cp_method: Literal["allgather", "ring"] = "allgather"
+    """How context-parallel attention exchanges K/V."""
+    bucket_mb: float = 25.0
+    """Gradient all-reduce bucket size in MiB (zero 0-2)."""
+    placement: list[int] | None = None
+    """Rank placement: entry i is the global rank that takes mesh position i (pp, dp, cp, tp order, tp fastest); null is the identity."""
+    timeout_s: float = 600.0
+    """Collective timeout: a dead or stuck rank makes the others fail after this many seconds."""
+
+    def validate(self) -> None:
+        for key in ("tp", "pp", "cp", "pp_virtual"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"parallel.{key}")
+        if self.dp == 0 or self.dp < -1:
+            raise ConfigError(f"must be >= 1, or -1 to fill the remaining ranks; got {self.dp}",
+                              "parallel.dp")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"must be 0, 1, 2 or 3; got {self.zero}", "parallel.zero")
+        if self.sp and self.tp == 1:
+            raise ConfigError("sequence parallelism needs parallel.tp > 1", "parallel.sp")
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            raise ConfigError("must be >= 1 or null", "parallel.shard_group_size")
+        if self.bucket_mb <= 0:
+            raise ConfigError("must be positive", "parallel.bucket_mb")
+        if self.timeout_s <= 0:
+            raise ConfigError("must be positive", "parallel.timeout_s")
+        if self.pp_virtual > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble", "zbv"):
+            raise ConfigError(
+                f"pp_virtual={self.pp_virtual} needs an interleaved schedule; set "
+                "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual")
+        if self.pp_schedule in ("interleaved_1f1b",) and self.pp > 1 and self.pp_virtual < 2:
+            raise ConfigError("interleaved_1f1b needs parallel.pp_virtual >= 2",
+                              "parallel.pp_schedule")
+        if self.pp_layers is not None and any(n < 0 for n in self.pp_layers):
+            raise ConfigError("layer counts must be >= 0", "parallel.pp_layers")

@@ -1,0 +1,60 @@
+"""The job config: every section of a training run in one typed object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from giantmodel.comm.config import CommConfig
+from giantmodel.config.errors import ConfigError
+from giantmodel.config.model import ModelConfig
+from giantmodel.config.parallel import ParallelConfig
+from giantmodel.config.train import (CheckpointConfig, OffloadConfig, OptimConfig,
+                                     RunConfig, TrainConfig)
+from giantmodel.data.config import DataConfig
+
+
+@dataclass
+class JobConfig:
+    """One training job. Its defaults are the embedded default run: a tiny
+    LLaMA trained on the Python standard library's sources, on the CPU."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture and shape."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch sizes, sequence length, logging and evaluation cadence."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: fp32; bf16 autocast with fp32 master weights; fp16 autocast with dynamic loss scaling."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none; selective (attention core and MLP activation); full (whole blocks)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data, ZeRO, tensor, sequence, pipeline and context parallelism."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and loading."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, retention and initial weights."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Communication backend and its tuning."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Activation offload to host memory."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run directory and reporting."""
+
+    def validate(self) -> None:
+        """Checks that need no process group and no world size."""
+        self.model.validate()
+        self.train.validate()
+        self.optim.validate()
+        self.parallel.validate()
+        self.checkpoint.validate()
+        self.comm.validate()
+        self.data.validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
+                f"{self.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len",
+                "train.seq_len")
+        if self.offload.prefetch_layers < 0:
+            raise ConfigError("must be >= 0", "offload.prefetch_layers")

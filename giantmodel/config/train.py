@@ -1,0 +1,133 @@
+"""Training loop, optimizer, checkpoint and run sections of the job config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from giantmodel.config.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """Length and shape of the training run."""
+
+    steps: int = 300
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; the rest of the global batch is gradient accumulation."""
+    seq_len: int = 256
+    """Tokens per training sequence; at most model.max_seq_len."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout."""
+    log_every: int = 10
+    """Write a metrics record every N steps (and on the first and last step)."""
+    eval_every: int = 100
+    """Run validation (data.val_batches micro-batches) every N steps and after the last; 0 disables it."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train; auto picks cuda when available."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    sample_tokens: int = 96
+    """Tokens to generate as a sample after training (0: no sample)."""
+    sample_prompt: str = "def "
+    """Prompt for the sample printed after training."""
+    threads: int | None = None
+    """CPU intra-op threads per rank; null leaves torch's default."""
+
+    def validate(self) -> None:
+        for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"must be positive, got {getattr(self, key)}", f"train.{key}")
+        if self.eval_every < 0 or self.sample_tokens < 0:
+            raise ConfigError("eval_every and sample_tokens must be >= 0", "train")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size {self.micro_batch_size}", "train.global_batch_size")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Floor of the decay (cosine, linear, wsd)."""
+    warmup_steps: int = 30
+    """Linear warm-up from 0 to lr over this many steps."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Decay after warm-up; wsd holds lr then decays linearly over the last decay_fraction of steps."""
+    decay_fraction: float = 0.2
+    """wsd only: share of the run spent decaying."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not norms, biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    impl: Literal["auto", "fused", "foreach", "plain"] = "auto"
+    """AdamW kernel: fused (CUDA), foreach (multi-tensor), or plain for-loop; auto picks the fastest available."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"must be positive, got {self.lr}", "optim.lr")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"must be in [0, optim.lr={self.lr}], got {self.min_lr}", "optim.min_lr")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"must be >= 0, got {self.warmup_steps}", "optim.warmup_steps")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError("must be in (0, 1]", "optim.decay_fraction")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("grad_clip and weight_decay must be >= 0", "optim")
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded (DCP) checkpoints under run.dir/checkpoints."""
+
+    every: int = 100
+    """Save every N steps (and after the last step); 0 saves only at the end."""
+    keep: int = 2
+    """Keep the newest N checkpoints; older ones are deleted after a successful save. 0 keeps all."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: bool = True
+    """Resume from run.dir's latest checkpoint when one exists."""
+    init_from: str | None = None
+    """Start from these weights instead of a random init: a Hugging Face directory or a giantmodel checkpoint directory."""
+    save_final: bool = True
+    """Save after the last step even when it is not a multiple of every."""
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep < 0:
+            raise ConfigError("every and keep must be >= 0", "checkpoint")
+
+
+@dataclass
+class OffloadConfig:
+    """Activation offload to host memory."""
+
+    activations: bool = False
+    """Move saved activations to pinned host memory after forward; bring them back for backward."""
+    prefetch_layers: int = 1
+    """How many layers ahead backward prefetches offloaded activations."""
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and how it reports."""
+
+    dir: str = "runs/llama-tiny"
+    """Run directory: resolved config, metrics.jsonl, TensorBoard events, checkpoints/."""
+    tensorboard: bool = True
+    """Write TensorBoard events to run.dir/tb when tensorboard is installed."""
+    progress: bool = True
+    """Show a progress line with the ETA when stderr is a terminal."""

@@ -1,0 +1,152 @@
+"""The ``data:`` section of a job config.
+
+An empty section trains on the built-in corpus: the Python standard library's
+own sources, tokenized with a SentencePiece model trained on them, both built
+on first use and cached.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from giantmodel.config.errors import ConfigError, UserInputError
+
+SOURCES = ("builtin", "indexed", "synthetic")
+SYNTHETIC_PATTERNS = ("arithmetic", "random")
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """Where training text comes from: "builtin" (the Python standard library's
+    .py sources, tokenized and cached on first use; needs no files), "indexed"
+    (Megatron-LM .bin/.idx datasets listed in ``paths``, made by
+    ``giantmodel preprocess`` or Megatron-LM's own tools) or "synthetic"
+    (token ids generated from the seed; for tests and benchmarks)."""
+
+    paths: list[str] = field(default_factory=list)
+    """Indexed dataset path prefixes (``PREFIX`` for ``PREFIX.bin`` + ``PREFIX.idx``)
+    for source "indexed". Several are blended by ``weights``."""
+
+    weights: list[float] = field(default_factory=list)
+    """Blend weights, one per entry of ``paths`` (normalised; need not sum to 1).
+    Empty: each dataset is weighted by its size, i.e. plain concatenation."""
+
+    valid_paths: list[str] = field(default_factory=list)
+    """Indexed dataset prefixes used only for validation. Empty: the last
+    ``valid_fraction`` of each training dataset's documents is held out."""
+
+    valid_fraction: float = 0.01
+    """Fraction of each dataset's documents (its last ones) held out for
+    validation when ``valid_paths`` is empty; 0 turns validation off."""
+
+    tokenizer: str | None = None
+    """Tokenizer for source "indexed": a SentencePiece .model, a Hugging Face
+    tokenizer.json, or a directory holding one. It must be the one the data
+    was preprocessed with. Unused by "builtin" (it trains its own)."""
+
+    val_batches: int = 8
+    """Validation micro-batches per data-parallel rank in one evaluation."""
+
+    synthetic_vocab_size: int | None = None
+    """Vocabulary of source "synthetic"; unset: the model's ``vocab_size``."""
+
+    synthetic_pattern: str = "arithmetic"
+    """Synthetic token ids: "arithmetic" (``(a + b*t) mod vocab``, learnable) or
+    "random" (uniform ids, nothing to learn)."""
+
+    synthetic_num_samples: int = 1 << 20
+    """Distinct synthetic training samples before the sequence repeats."""
+
+    builtin_vocab_size: int = 4096
+    """SentencePiece vocabulary trained for the built-in corpus."""
+
+    builtin_max_bytes: int = 0
+    """Cap on the built-in corpus size in bytes of source (0: the whole
+    standard library, about 11 MB on CPython 3.11)."""
+
+    builtin_valid_every: int = 20
+    """One of every this many standard-library files is held out for validation."""
+
+    cache_dir: str | None = None
+    """Where the built-in corpus is cached; unset: ``$GIANTMODEL_CACHE``, else
+    ``~/.cache/giantmodel``."""
+
+    def validate(self) -> None:
+        """Check values and that every named file exists, before any process starts."""
+        if self.source not in SOURCES:
+            raise ConfigError(f"unknown data source {self.source!r}; use one of "
+                              f"{', '.join(SOURCES)}", key="data.source")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ConfigError(f"must be in [0, 1), got {self.valid_fraction}",
+                              key="data.valid_fraction")
+        if self.val_batches < 1:
+            raise ConfigError(f"must be at least 1, got {self.val_batches}", key="data.val_batches")
+        if self.source == "indexed":
+            self._validate_indexed()
+        elif self.source == "synthetic":
+            if self.synthetic_vocab_size is not None and self.synthetic_vocab_size < 2:
+                raise ConfigError(f"must be at least 2, got {self.synthetic_vocab_size}",
+                                  key="data.synthetic_vocab_size")
+            if self.synthetic_pattern not in SYNTHETIC_PATTERNS:
+                raise ConfigError(f"unknown pattern {self.synthetic_pattern!r}; use one of "
+                                  f"{', '.join(SYNTHETIC_PATTERNS)}", key="data.synthetic_pattern")
+            if self.synthetic_num_samples < 1:
+                raise ConfigError(f"must be at least 1, got {self.synthetic_num_samples}",
+                                  key="data.synthetic_num_samples")
+        else:
+            if not 300 <= self.builtin_vocab_size <= 65000:
+                raise ConfigError(f"must be in [300, 65000], got {self.builtin_vocab_size}",
+                                  key="data.builtin_vocab_size")
+            if self.builtin_max_bytes < 0:
+                raise ConfigError("must be >= 0 (0 means no cap)", key="data.builtin_max_bytes")
+            if self.builtin_valid_every < 2:
+                raise ConfigError(f"must be at least 2, got {self.builtin_valid_every}",
+                                  key="data.builtin_valid_every")
+            self._validate_cache_dir()
+
+    def _validate_indexed(self) -> None:
+        from giantmodel.data.indexed import read_index_header
+        from giantmodel.data.tokenizer import resolve_tokenizer_path
+
+        if not self.paths:
+            raise ConfigError("source 'indexed' needs at least one dataset prefix: set "
+                              "data.paths=[PREFIX] (PREFIX.bin + PREFIX.idx from "
+                              "`giantmodel preprocess`)", key="data.paths")
+        if self.weights:
+            if len(self.weights) != len(self.paths):
+                raise ConfigError(f"has {len(self.weights)} entries but data.paths has "
+                                  f"{len(self.paths)}; give one weight per path",
+                                  key="data.weights")
+            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+                raise ConfigError("weights must be >= 0 with a positive sum", key="data.weights")
+        for key, prefixes in (("data.paths", self.paths), ("data.valid_paths", self.valid_paths)):
+            for p in prefixes:
+                try:
+                    read_index_header(p)
+                except UserInputError as e:
+                    raise ConfigError(str(e), key=key) from None
+        if not self.tokenizer:
+            raise ConfigError("source 'indexed' needs the tokenizer the data was made with: "
+                              "set data.tokenizer=PATH (.model, tokenizer.json or a directory)",
+                              key="data.tokenizer")
+        try:
+            resolve_tokenizer_path(self.tokenizer)
+        except UserInputError as e:
+            raise ConfigError(str(e), key="data.tokenizer") from None
+
+    def _validate_cache_dir(self) -> None:
+        cache = self.resolved_cache_dir()
+        probe = cache
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+            raise ConfigError(f"the built-in corpus cache {cache} cannot be created or written "
+                              f"({probe} is not a writable directory); set data.cache_dir or "
+                              "GIANTMODEL_CACHE to a writable directory", key="data.cache_dir")
+
+    def resolved_cache_dir(self) -> Path:
+        base = self.cache_dir or os.environ.get("GIANTMODEL_CACHE") or "~/.cache/giantmodel"
+        return Path(base).expanduser()

@@ -1,0 +1,64 @@
+"""Process-group start-up and teardown, from launcher environment variables.
+
+torchrun, Slurm via torchrun, and ``giantmodel train --nproc-per-node`` all
+set RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE; a plain ``python`` run
+has none of them and runs as a single process without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def world_info() -> WorldInfo:
+    """Read the launcher's environment; all zeros/ones when launched directly."""
+    def env(name: str, default: int) -> int:
+        return int(os.environ.get(name, default))
+
+    world = env("WORLD_SIZE", 1)
+    return WorldInfo(rank=env("RANK", 0), world_size=world, local_rank=env("LOCAL_RANK", 0),
+                     local_world_size=env("LOCAL_WORLD_SIZE", world))
+
+
+def pick_device(requested: str, info: WorldInfo) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from giantmodel.config.errors import ConfigError
+            raise ConfigError("CUDA was requested but is not available; set train.device=cpu",
+                              "train.device")
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str, timeout_s: float, device: torch.device, info: WorldInfo) -> None:
+    """Create the default process group when the launcher asked for several ranks."""
+    if info.world_size == 1 or dist.is_initialized():
+        return
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            rank=info.rank, world_size=info.world_size, **kwargs)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

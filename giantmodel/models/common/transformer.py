@@ -1,0 +1,71 @@
+"""The decoder-only skeleton that GPT and LLaMA share.
+
+Top-level names are fixed (``tok_embeddings``, ``pos_embeddings``, ``layers``,
+``norm``, ``output``) and layers sit in a ModuleDict keyed by their global
+index, so a pipeline stage that deletes the layers it does not own keeps the
+same parameter names: checkpoints then load under any layout.
+Any of the top-level modules may be None on a pipeline stage; forward skips it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from giantmodel.config.model import ModelConfig
+from giantmodel.models.common.layers import rope_table
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_cls: type[nn.Module], norm_cls,
+                 learned_positions: bool):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, h)
+        self.pos_embeddings: nn.Module | None = (
+            nn.Embedding(cfg.max_seq_len, h) if learned_positions else None)
+        self.embed_dropout = nn.Dropout(cfg.dropout) if learned_positions else nn.Identity()
+        self.layers = nn.ModuleDict({str(i): block_cls(cfg) for i in range(cfg.num_layers)})
+        self.norm: nn.Module | None = norm_cls(h, eps=cfg.norm_eps)
+        self.output: nn.Module | None = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.uses_rope = not learned_positions
+        # RoPE table: a non-persistent buffer, rebuilt by init_buffers() after
+        # meta-device construction (it is never part of a checkpoint).
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (when configured and both
+        live on this pipeline stage). Moving off the meta device creates new
+        Parameters, so this runs again after materialisation."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        if self.uses_rope:
+            c = self.cfg
+            self.rope = rope_table(c.dim_per_head, c.max_seq_len, c.rope_theta,
+                                   c.rope_scaling, device=device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` [B, T] ids (or [B, T, H] hidden states on a later
+        pipeline stage) -> logits [B, T, V] (or hidden states).
+
+        ``positions`` [T] or [B, T] gives each token's absolute position when
+        the sequence is not 0..T-1 (context-parallel shards)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        T = h.shape[1]
+        if positions is None:
+            positions = torch.arange(T, device=h.device)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions)
+        h = self.embed_dropout(h)
+        rope = self.rope[positions] if self.uses_rope else None
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

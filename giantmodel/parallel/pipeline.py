@@ -1,0 +1,234 @@
+"""Pipeline parallelism: stages of one model replica on successive ranks.
+
+Each pipeline rank builds the whole model on the meta device, deletes what its
+stage(s) do not own, lets :func:`giantmodel.parallel.apply.parallelize_chunk`
+apply tensor/sequence parallelism, recompute and data parallelism to each
+stage, and only then materialises and initialises the weights. Parameter names
+stay those of the single-process model, so checkpoints load under any layout.
+
+Training runs one ``torch.distributed.pipelining`` schedule per optimizer step
+over the trainer's micro-batches. The last stage's loss is the micro-batch's
+token *sum* divided by the token count of the whole global batch (every
+micro-batch of every data-parallel rank), and the schedule does not rescale
+gradients, so the accumulated gradient is exactly that of the single-process
+global token mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.models import build_model, init_weights
+from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
+from giantmodel.parallel.collectives import all_reduce_sum_
+from giantmodel.parallel.data import DataParallel
+from giantmodel.parallel.pipeline_split import (layers_per_stage, stage_ids_for_rank,
+                                                stage_layer_ranges, stage_owner,
+                                                validate_pipeline)
+from giantmodel.parallel.spmd import SPMDEngine
+from giantmodel.train.precision import Precision
+
+
+# ---------------------------------------------------------------- the model
+def build_stage_module(model_cfg, layers: range, first: bool, last: bool) -> nn.Module:
+    """The full model on the meta device, cut down to one stage."""
+    model = build_model(model_cfg, device="meta")
+    if not first:
+        model.tok_embeddings = None
+        model.pos_embeddings = None
+        # Embedding dropout belongs to the first stage only; later stages get
+        # hidden states that already went through it.
+        model.embed_dropout = nn.Identity()
+    if not last:
+        model.norm = None
+        model.output = None
+    for i in range(model_cfg.num_layers):
+        if i not in layers:
+            del model.layers[str(i)]
+    return model
+
+
+def _schedule_class(name: str):
+    from torch.distributed import pipelining as pl
+
+    classes = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
+               "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+               "zero_bubble": pl.ScheduleInterleavedZeroBubble,
+               "zbv": pl.ScheduleZBVZeroBubble}
+    if name not in classes:
+        raise ValueError(f"unknown parallel.pp_schedule {name!r}; expected one of {sorted(classes)}")
+    return classes[name]
+
+
+# --------------------------------------------------------------- the engine
+class PipelineEngine(SPMDEngine):
+    """The :class:`~giantmodel.parallel.engine.Engine` contract for
+    ``parallel.pp > 1``. ``parts`` holds this rank's stage modules in execution
+    order. Gradient reduction over dp, ZeRO, the optimizer, clipping (global
+    over every rank, stages included) and cp input sharding are those of the
+    SPMD engine, applied to all local stages."""
+
+    def __init__(self, cfg, dims: ParallelDims, device: torch.device):
+        # SPMDEngine.__init__ builds a whole model; a stage builds only its part.
+        self.cfg = cfg
+        self.dims = dims
+        self.device = device
+        p = cfg.parallel
+        validate_pipeline(cfg, dims.pp, dims.microbatches(cfg))
+        self.schedule_name = p.pp_schedule
+        self.virtual = 2 if p.pp_schedule == "zbv" else p.pp_virtual
+        self.num_stages = dims.pp * self.virtual
+        self.pp_group = dims.group("pp")
+        self.pp_rank = dims.coordinate("pp")
+        self.layer_counts = layers_per_stage(cfg, self.num_stages)
+        ranges = stage_layer_ranges(self.layer_counts)
+        self.stage_ids = stage_ids_for_rank(self.pp_rank, dims.pp, self.virtual, p.pp_schedule)
+        self.parts: list[nn.Module] = []
+        for sid in self.stage_ids:
+            module = build_stage_module(cfg.model, ranges[sid], sid == 0,
+                                        sid == self.num_stages - 1)
+            module = parallelize_chunk(module, dims, cfg)
+            init_weights(module, cfg.model, cfg.train.seed, device=device)
+            self.parts.append(module)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.num_stages - 1 in self.stage_ids
+        self.data_parallel = DataParallel(dims, cfg)
+        self._dp_group = dims.group("dp")
+        self._dp_cp_group = dims.group("dp_cp")
+        self._schedule = None
+        self._step_tokens = 1.0
+        self._precision: Precision | None = None
+
+    # ------------------------------------------------------------- training
+    def _get_schedule(self, n_micro: int):
+        """Built on first use; stages keep buffers sized for one micro-batch count."""
+        if self._schedule is not None:
+            if self._schedule._n_microbatches != n_micro:
+                raise ValueError(
+                    f"the pipeline was set up for {self._schedule._n_microbatches} micro-batches "
+                    f"per step and got {n_micro}; the micro-batch count must stay fixed")
+            return self._schedule
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group)
+                  for part, sid in zip(self.parts, self.stage_ids)]
+        cls = _schedule_class(self.schedule_name)
+        # scale_grads=False: the loss is already divided by the global token count.
+        self._schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro,
+                             loss_fn=self._stage_loss, scale_grads=False)
+        return self._schedule
+
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The schedule calls this on the last stage once per micro-batch (and
+        # once more while it infers shapes on the first step): no side effects.
+        loss_sum, _ = loss_fn(logits, labels)
+        return self._precision.scale_loss(loss_sum / self._step_tokens)
+
+    def _step_inputs(self, microbatches: list[dict]) -> tuple[tuple, dict]:
+        """Whole-step inputs for ``schedule.step``, which cuts them back into
+        the same micro-batches along dim 0."""
+        local = [self._local_inputs(mb) for mb in microbatches]
+        args, kwargs = (), {}
+        if self.has_first:
+            args = (torch.cat([ids for ids, _, _ in local]),)
+        if self.has_last:
+            kwargs["target"] = torch.cat([labels for _, labels, _ in local])
+        if self.dims.cp > 1:
+            # Every stage needs the absolute positions of its sequence chunks
+            # (RoPE / learned positions); [B, t] so they split with the batch.
+            kwargs["positions"] = torch.cat([pos.expand(ids.shape[0], -1)
+                                             for ids, _, pos in local])
+        return args, kwargs
+
+    def forward_backward(self, microbatches: list[dict], precision: Precision) -> float:
+        for part in self.parts:
+            part.train()
+        self._precision = precision
+        self._step_tokens = max(self._global_tokens(microbatches), 1.0)
+        sched = self._get_schedule(len(microbatches))
+        args, kwargs = self._step_inputs(microbatches)
+        losses: list[torch.Tensor] = []
+        with loss_context(self.dims), precision.autocast():
+            sched.step(*args, losses=losses, return_outputs=False, **kwargs)
+        self.data_parallel.reduce_gradients(self.parts)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.has_last:
+            total += sum(float(x.detach()) for x in losses) / precision.scale
+        return self._reduce_loss(total)
+
+    def _reduce_loss(self, local: torch.Tensor) -> float:
+        """Last stage's share of the loss -> the global value on every rank."""
+        all_reduce_sum_(local, self.pp_group)
+        all_reduce_sum_(local, self._dp_cp_group)
+        return float(local)
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def eval_loss(self, batches, precision: Precision) -> float:
+        """Forward only, batch by batch, with plain send/recv between stages:
+        independent of the training schedule's micro-batch count."""
+        batches = list(batches)
+        for part in self.parts:
+            part.eval()
+        tokens = self._global_tokens(batches)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for mb in batches:
+            ids, labels, positions = self._local_inputs(mb)
+            with loss_context(self.dims):
+                logits = self._forward_only(ids, positions, precision)
+                if logits is not None:
+                    total += float(loss_fn(logits, labels)[0])
+        for part in self.parts:
+            part.train()
+        return self._reduce_loss(total) / max(tokens, 1.0)
+
+    def _forward_only(self, ids: torch.Tensor, positions, precision: Precision):
+        """Every local stage in global stage order; the logits on the rank
+        that holds the last stage, else None."""
+        by_stage = dict(zip(self.stage_ids, self.parts))
+        pp, name = self.dims.pp, self.schedule_name
+        h = None
+        for sid in sorted(by_stage):
+            if sid == 0:
+                h = ids
+            elif stage_owner(sid - 1, pp, name) != self.pp_rank:
+                h = recv_activation(self._peer(sid - 1), self.pp_group, self.device)
+            with precision.autocast():
+                h = by_stage[sid](h, positions)
+            if sid == self.num_stages - 1:
+                return h
+            if stage_owner(sid + 1, pp, name) != self.pp_rank:
+                send_activation(h, self._peer(sid + 1), self.pp_group)
+        return None
+
+    def _peer(self, stage: int) -> int:
+        """Global rank that runs ``stage`` in this rank's pipeline group."""
+        local = stage_owner(stage, self.dims.pp, self.schedule_name)
+        return dist.get_global_rank(self.pp_group, local)
+
+
+# ------------------------------------------------------------------ collectives
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+
+
+def send_activation(t: torch.Tensor, dst: int, group) -> None:
+    """Send a tensor of any shape (up to 6-D) and dtype: a header, then the data."""
+    header = torch.zeros(8, dtype=torch.int64)
+    header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+    header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    dist.send(header.to(t.device), dst=dst, group=group)
+    dist.send(t.contiguous(), dst=dst, group=group)
+
+
+def recv_activation(src: int, group, device: torch.device) -> torch.Tensor:
+    """Receive what :func:`send_activation` sent from global rank ``src``."""
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    header = header.cpu()
+    shape = tuple(int(x) for x in header[2:2 + int(header[0])])
+    out = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
+    dist.recv(out, src=src, group=group)
+    return out

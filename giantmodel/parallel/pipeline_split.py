@@ -1,0 +1,173 @@
+"""How a model is cut into pipeline stages, and which rank runs which stage.
+
+Pure functions of the config: no process group, so the planner and the layout
+validation can use them before launch.
+
+Cost model (forward FLOPs per token, the backward is a fixed multiple of it and
+does not change the balance):
+
+* a transformer layer: 2 FLOPs per weight (its matmuls) plus causal attention,
+  ``2 * seq_len * q_width`` (QK^T and AV, each half-masked on average);
+* the embedding (first stage): a row lookup, counted as ``hidden`` FLOPs;
+* the output head (last stage): ``2 * hidden * vocab`` for the projection plus
+  about ``5 * vocab`` for the softmax cross-entropy over the logits.
+
+With a large vocabulary the head alone can cost as much as several layers, so
+the last stage gets fewer layers than the others.
+"""
+
+from __future__ import annotations
+
+from giantmodel.config.errors import ConfigError
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+
+
+def layer_cost(model_cfg, seq_len: int) -> float:
+    """Forward FLOPs per token of one transformer block."""
+    h, f = model_cfg.hidden_size, model_cfg.ffn_hidden_size
+    q = model_cfg.num_heads * model_cfg.dim_per_head
+    kv = model_cfg.kv_heads * model_cfg.dim_per_head
+    mlp_mats = 3 if model_cfg.arch == "llama" else 2
+    weights = h * (q + 2 * kv) + q * h + mlp_mats * h * f
+    return 2.0 * weights + 2.0 * seq_len * q
+
+
+def embedding_cost(model_cfg) -> float:
+    """Forward cost per token of the embedding lookup (first stage)."""
+    return float(model_cfg.hidden_size)
+
+
+def head_cost(model_cfg) -> float:
+    """Forward cost per token of final norm, output projection and loss (last stage)."""
+    return 2.0 * model_cfg.hidden_size * model_cfg.vocab_size + 5.0 * model_cfg.vocab_size
+
+
+def balanced_split(num_layers: int, num_stages: int, per_layer: float,
+                   first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Layers per stage (contiguous, each stage at least one layer) that
+    minimise the most expensive stage; ties go to the split whose stages are
+    closest to equal layer counts, then to the earliest stages holding more.
+
+    Exact dynamic programme over (stage, layers used): O(S * L^2), trivial for
+    real layer counts.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} stages")
+
+    def cost(stage: int, n: int) -> float:
+        c = n * per_layer
+        if stage == 0:
+            c += first_extra
+        if stage == num_stages - 1:
+            c += last_extra
+        return c
+
+    # best[s][k]: (max cost, spread) of the best split of the first k layers over
+    # stages 0..s-1; choice[s][k]: layers of stage s-1 in that split.
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    even = num_layers / num_stages
+    for s in range(1, num_stages + 1):
+        for k in range(s, num_layers - (num_stages - s) + 1):
+            for n in range(1, k - (s - 1) + 1):
+                prev = best[s - 1][k - n]
+                if prev[0] == float("inf"):
+                    continue
+                cand = (max(prev[0], cost(s - 1, n)), prev[1] + (n - even) ** 2)
+                # strict '<' keeps the first n found (the smallest), so the
+                # current stage takes fewer layers and earlier ones more.
+                if _less(cand, best[s][k]):
+                    best[s][k], choice[s][k] = cand, n
+    counts, k = [], num_layers
+    for s in range(num_stages, 0, -1):
+        n = choice[s][k]
+        counts.append(n)
+        k -= n
+    return counts[::-1]
+
+
+def _less(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    # Costs are floats from a sum; treat relative differences below 1e-9 as ties.
+    if abs(a[0] - b[0]) > 1e-9 * max(1.0, abs(b[0])):
+        return a[0] < b[0]
+    return a[1] < b[1] - 1e-12
+
+
+def layers_per_stage(cfg, num_stages: int) -> list[int]:
+    """``parallel.pp_layers`` when given, else the cost-balanced split."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != num_stages or sum(p.pp_layers) != m.num_layers:
+            raise ConfigError(
+                f"needs {num_stages} entries (pp*pp_virtual) summing to model.num_layers="
+                f"{m.num_layers}, got {p.pp_layers}", "parallel.pp_layers")
+        return list(p.pp_layers)
+    return balanced_split(m.num_layers, num_stages, layer_cost(m, cfg.train.seq_len),
+                          embedding_cost(m), head_cost(m))
+
+
+def stage_layer_ranges(counts: list[int]) -> list[range]:
+    """Global layer indices held by each stage, in stage order."""
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Global stage indices run by pipeline rank ``pp_rank``, in execution order.
+
+    Looped placement (interleaved schedules): chunk v of rank s is stage
+    ``v * pp + s``. The ZBV schedule needs a V: rank s holds stages s and
+    ``2 * pp - 1 - s``, so the first and the last stage share rank 0.
+    """
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [v * pp + pp_rank for v in range(virtual)]
+
+
+def stage_owner(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that runs global stage ``stage``."""
+    if schedule == "zbv":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def validate_pipeline(cfg, pp: int, n_micro: int) -> None:
+    """Pipeline checks that the generic layout validation does not make;
+    needs no process group. ``n_micro``: micro-batches per step per dp rank."""
+    p, m = cfg.parallel, cfg.model
+    if pp <= 1:
+        return
+    if m.tie_embeddings:
+        raise ConfigError(
+            "tied embeddings put one weight on the first and the last pipeline stage, "
+            "which pipeline parallelism does not support; set model.tie_embeddings=false "
+            "or parallel.pp=1", "model.tie_embeddings")
+    if p.pp_schedule == "zbv" and p.pp_virtual != 2:
+        raise ConfigError(
+            f"the zbv schedule runs exactly 2 stages per rank; set parallel.pp_virtual=2 "
+            f"(got {p.pp_virtual})", "parallel.pp_virtual")
+    if p.pp_schedule in MULTI_STAGE_SCHEDULES and p.pp_virtual > 1 and n_micro % pp:
+        raise ConfigError(
+            f"{p.pp_schedule} needs micro-batches per step ({n_micro}) to be a multiple of "
+            f"parallel.pp={pp}; change train.global_batch_size or train.micro_batch_size",
+            "train.global_batch_size")
+    if p.pp_schedule != "gpipe" and n_micro < pp:
+        raise ConfigError(
+            f"{n_micro} micro-batches per step is fewer than parallel.pp={pp} stages, which "
+            f"{p.pp_schedule} needs; raise train.global_batch_size or lower "
+            "train.micro_batch_size", "train.global_batch_size")
+    stages = pp * p.pp_virtual
+    if m.num_layers < stages:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is fewer than pp*pp_virtual={stages} stages",
+            "parallel.pp")
+    layers_per_stage(cfg, stages)

@@ -1,0 +1,80 @@
+"""Tensor and sequence parallelism as DTensor plans over the model's fixed names.
+
+Megatron's split, expressed with ``parallelize_module``:
+
+* attention: ``wq/wk/wv`` column-parallel (each tp rank gets whole query *and*
+  key/value heads, so GQA's kv heads are sharded too), ``wo`` row-parallel;
+* MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel;
+* token embedding row-parallel over the vocabulary (vocab-parallel embedding);
+* output head column-parallel with logits left as ``Shard(-1)`` DTensors: the
+  loss runs under ``loss_parallel()`` and logits are never gathered.
+
+With ``sp`` the residual stream between blocks is sharded along the sequence
+(``Shard(1)``): norms run on sequence shards, the row-parallel outputs
+reduce-scatter instead of all-reduce, and each block all-gathers its input.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _block_plan(sp: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    residual = Shard(1) if sp else Replicate()
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if sp:
+        plan.update({
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # attention(x, rope): gather x along the sequence, leave rope alone.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+        })
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage) in place over ``tp_mesh``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    residual = Shard(1) if sp else Replicate()
+    top: dict = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if getattr(model, "pos_embeddings", None) is not None and sp:
+        # Learned positions stay replicated; as a DTensor they add onto the
+        # sequence-sharded token embeddings by local slicing (no collective).
+        top["pos_embeddings"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False)
+    if getattr(model, "norm", None) is not None and sp:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1),
+                                        use_local_output=False)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = _block_plan(sp)
+        if hasattr(block.feed_forward, "w3"):
+            plan["feed_forward.w3"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+    if hasattr(model, "tie_weights"):
+        # parallelize_module swapped the embedding Parameter for a DTensor; the
+        # head shares it (both are sharded over vocabulary rows).
+        model.tie_weights()

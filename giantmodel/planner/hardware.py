@@ -1,0 +1,178 @@
+"""Hardware profiles: what one accelerator and its links can do.
+
+Figures are vendor datasheet peaks (dense, no sparsity) for the SXM/OAM parts
+unless the name says otherwise. Link bandwidths are per GPU and per direction,
+which is what a ring or tree collective can drive. The ``*_efficiency``
+fields say which share of a peak real kernels reach; they are the only tuned
+numbers in the planner and are stated in ``benchmarks/results/planner.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from giantmodel.config.errors import ConfigError
+
+GB = 1e9
+GIB = 1024 ** 3
+TFLOPS = 1e12
+
+
+@dataclass
+class HardwareProfile:
+    """One accelerator type and the links around it."""
+
+    name: str
+    """Profile name, as given to ``--gpu``."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per precision: keys fp32, bf16, fp16 (fp32 means plain fp32, not TF32)."""
+    memory_bytes: float
+    """Device memory capacity in bytes."""
+    memory_bw: float
+    """Device memory bandwidth in bytes/s."""
+    intra_link: str
+    """Intra-node link between GPUs: nvlink2/3/4, pcie3/4/5, or shm (host memory)."""
+    intra_bw: float
+    """Intra-node bandwidth per GPU per direction, bytes/s."""
+    inter_bw: float
+    """Inter-node network bandwidth per GPU per direction, bytes/s."""
+    host_bw: float = 25 * GB
+    """GPU <-> host copy bandwidth per GPU (activation/optimizer offload), bytes/s."""
+    gpus_per_node: int = 8
+    """Default GPUs per node for this machine type."""
+    matmul_efficiency: float = 0.72
+    """Share of peak FLOP/s that large GEMMs reach (cuBLAS, well-shaped, bf16)."""
+    attention_efficiency: float = 0.55
+    """Share of peak FLOP/s that fused (flash) attention reaches, forward; backward is a bit lower."""
+    memory_efficiency: float = 0.80
+    """Share of memory bandwidth that elementwise kernels reach."""
+    link_efficiency: float = 0.80
+    """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
+    latency_s: float = 10e-6
+    """Per-hop latency of a collective step, seconds."""
+    reserved_bytes: float = 2.5 * GIB
+    """Memory the framework cannot allocate: CUDA context, NCCL buffers, workspace."""
+    host_memory_bytes: float = 1024 * GIB
+    """Host memory per node, bytes (limits optimizer offload)."""
+    cpu_adam_rate: float = 2.0e9
+    """Parameters per second a node's CPUs update with Adam (optimizer offload)."""
+
+    def flops(self, precision: str) -> float:
+        if precision not in self.peak_flops:
+            raise ConfigError(f"hardware profile {self.name!r} has no {precision} peak; it lists "
+                              f"{', '.join(self.peak_flops)}", "precision")
+        return self.peak_flops[precision]
+
+
+def _gpu(name, fp32, bf16, mem_gb, bw_tbs, link, intra_gbs, inter_gbs, **kw) -> HardwareProfile:
+    return HardwareProfile(
+        name=name, peak_flops={"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS,
+                               "fp16": kw.pop("fp16", bf16) * TFLOPS},
+        memory_bytes=mem_gb * GB, memory_bw=bw_tbs * 1e12, intra_link=link,
+        intra_bw=intra_gbs * GB, inter_bw=inter_gbs * GB, **kw)
+
+
+# Sources: NVIDIA H100 / H200 / A100 / V100 datasheets. NVLink bandwidths are
+# the bidirectional totals halved (900 -> 450 GB/s for NVLink4). Inter-node:
+# one 400 Gb/s NDR port per GPU on H100/H200 systems (DGX H100), one 200 Gb/s
+# HDR port per GPU on A100 systems (DGX A100), 100 Gb/s EDR on V100.
+BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (
+    _gpu("h100-sxm", 67, 989, 80, 3.35, "nvlink4", 450, 50, host_bw=55 * GB),
+    _gpu("h100-pcie", 51, 756, 80, 2.0, "pcie5", 55, 25, host_bw=55 * GB),
+    _gpu("h200", 67, 989, 141, 4.8, "nvlink4", 450, 50, host_bw=55 * GB),
+    _gpu("a100-80g", 19.5, 312, 80, 2.039, "nvlink3", 300, 25),
+    _gpu("a100-40g", 19.5, 312, 40, 1.555, "nvlink3", 300, 25),
+    # A800: the A100 with NVLink cut to 400 GB/s (bidirectional).
+    _gpu("a800", 19.5, 312, 80, 2.039, "nvlink3", 200, 25),
+    # V100 has no bf16 tensor cores: bf16 runs at the fp32 rate.
+    _gpu("v100-32g", 15.7, 15.7, 32, 0.9, "nvlink2", 150, 12.5, fp16=125, host_bw=12 * GB),
+    _gpu("v100-16g", 15.7, 15.7, 16, 0.9, "nvlink2", 150, 12.5, fp16=125, host_bw=12 * GB),
+)}
+
+CPU_PROFILE_FILE = Path(os.environ.get("GIANTMODEL_HW_CACHE",
+                                       Path.home() / ".cache" / "giantmodel" / "hw-cpu.yaml"))
+
+
+def cpu_profile() -> HardwareProfile:
+    """This host as a 'device': measured figures when ``giantmodel bench hw``
+    has saved them, otherwise conservative defaults for a small server."""
+    if CPU_PROFILE_FILE.exists():
+        return load_profile_file(CPU_PROFILE_FILE)["cpu"]
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 16 * GIB
+    flops = 20e9 * (os.cpu_count() or 1)
+    return HardwareProfile(
+        name="cpu", peak_flops={"fp32": flops, "bf16": flops / 2, "fp16": flops / 4},
+        memory_bytes=float(mem), memory_bw=20 * GB, intra_link="shm", intra_bw=3 * GB,
+        inter_bw=1.25 * GB, host_bw=20 * GB, gpus_per_node=1, matmul_efficiency=0.6,
+        attention_efficiency=0.3, memory_efficiency=0.7, link_efficiency=0.5,
+        latency_s=50e-6, reserved_bytes=0.5 * GIB, host_memory_bytes=float(mem))
+
+
+def profile_from_dict(name: str, raw: dict, source: str) -> HardwareProfile:
+    """A profile from a YAML mapping; unknown keys are errors."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"profile {name!r} in {source} must be a mapping")
+    valid = {f.name for f in dataclasses.fields(HardwareProfile)}
+    for key in raw:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), sorted(valid), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown key {key!r} in hardware profile {name!r} ({source}){hint}")
+    kwargs = dict(raw)
+    kwargs["name"] = name
+    missing = [f.name for f in dataclasses.fields(HardwareProfile)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in kwargs]
+    if missing:
+        raise ConfigError(f"hardware profile {name!r} ({source}) lacks {', '.join(missing)}")
+    kwargs["peak_flops"] = {str(k): float(v) for k, v in kwargs["peak_flops"].items()}
+    for key, value in kwargs.items():
+        if key not in ("name", "peak_flops", "intra_link") and not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} in hardware profile {name!r} must be a number, got {value!r}")
+    return HardwareProfile(**kwargs)
+
+
+def load_profile_file(path: str | Path) -> dict[str, HardwareProfile]:
+    """Profiles from a YAML file mapping names to profile fields (numbers in SI units)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"hardware profile file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must map profile names to fields")
+    return {str(k): profile_from_dict(str(k), v, str(path)) for k, v in raw.items()}
+
+
+def profile_names(extra: dict[str, HardwareProfile] | None = None) -> list[str]:
+    return sorted(set(BUILTIN) | {"cpu"} | set(extra or {}))
+
+
+def get_profile(name: str, profile_file: str | Path | None = None) -> HardwareProfile:
+    """Built-in or user profile by name; an unknown name lists the valid ones."""
+    extra = load_profile_file(profile_file) if profile_file else {}
+    if name in extra:
+        return extra[name]
+    if name in BUILTIN:
+        return dataclasses.replace(BUILTIN[name], peak_flops=dict(BUILTIN[name].peak_flops))
+    if name == "cpu":
+        return cpu_profile()
+    names = profile_names(extra)
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"unknown GPU {name!r}{hint}; valid names: {', '.join(names)}"
+                      + ("" if profile_file else "; add your own with --hw-file FILE.yaml"), "--gpu")
+
+
+def profile_to_dict(p: HardwareProfile) -> dict:
+    d = dataclasses.asdict(p)
+    d.pop("name")
+    return d

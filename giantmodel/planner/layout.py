@@ -1,0 +1,109 @@
+"""A resolved layout: every degree and batch figure the cost models need.
+
+Built from a JobConfig and a cluster shape through the same validation the
+trainer runs (:class:`ParallelDims` and the pipeline checks), so a layout the
+trainer would refuse is refused here with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from giantmodel.config.errors import ConfigError
+from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.parallel.pipeline_split import (layers_per_stage, stage_ids_for_rank,
+                                                validate_pipeline)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How many GPUs, and how they sit in nodes."""
+
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def __str__(self) -> str:
+        return f"{self.nodes} x {self.gpus_per_node}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees, schedule, batch shape and memory options of one candidate run."""
+
+    tp: int
+    pp: int
+    dp: int
+    dp_shard: int
+    cp: int
+    sp: bool
+    zero: int
+    virtual: int
+    schedule: str
+    micro_batch: int
+    n_micro: int
+    seq_len: int
+    precision: str
+    recompute: str
+    offload_activations: bool
+    offload_optimizer: bool
+    stage_layers: tuple[int, ...]
+    bucket_mb: float = 25.0
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """Global stage ids run by pipeline rank ``pp_rank``."""
+        if self.pp == 1:
+            return list(range(self.num_stages))
+        return stage_ids_for_rank(pp_rank, self.pp, self.virtual, self.schedule)
+
+    def describe(self) -> str:
+        zero = f"zero{self.zero}" + (f"/hsdp{self.dp_shard}" if self.zero and self.dp_shard < self.dp
+                                     else "")
+        pp = f"pp{self.pp}" + (f"v{self.virtual}" if self.virtual > 1 else "")
+        parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), pp, f"dp{self.dp}", zero]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        parts.append(f"mb{self.micro_batch}x{self.n_micro}")
+        parts.append(f"rc:{self.recompute}")
+        if self.offload_activations:
+            parts.append("act-offload")
+        if self.offload_optimizer:
+            parts.append("opt-offload")
+        return " ".join(parts)
+
+
+def resolve_layout(cfg, cluster: Cluster) -> Layout:
+    """The layout ``cfg`` describes on ``cluster``; raises ConfigError when the
+    trainer would refuse it (degrees that do not divide the model or world)."""
+    if cluster.nodes < 1 or cluster.gpus_per_node < 1:
+        raise ConfigError(f"need at least one node and one GPU per node, got {cluster}",
+                          "--nodes")
+    dims = ParallelDims.from_config(cfg, cluster.world)
+    n_micro = dims.microbatches(cfg)
+    p = cfg.parallel
+    validate_pipeline(cfg, dims.pp, n_micro)
+    stages = dims.pp * p.pp_virtual
+    split = layers_per_stage(cfg, stages) if stages > 1 else [cfg.model.num_layers]
+    offload_opt = bool(getattr(cfg.offload, "optimizer", False))
+    return Layout(
+        tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
+        zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
+        micro_batch=cfg.train.micro_batch_size, n_micro=n_micro, seq_len=cfg.train.seq_len,
+        precision=cfg.precision, recompute=cfg.recompute,
+        offload_activations=cfg.offload.activations, offload_optimizer=offload_opt,
+        stage_layers=tuple(split), bucket_mb=p.bucket_mb)

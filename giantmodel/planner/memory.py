@@ -1,0 +1,458 @@
+"""Memory model, per rank: model states, activations, buffers.
+
+Model states are counted from the model built on the meta device, parameter by
+parameter, with the exact tensor-parallel and ZeRO (dim-0, FSDP2-style) shard
+shapes, so they match what the parallel engine allocates byte for byte.
+
+Activations are the tensors autograd keeps for backward in *this project's*
+blocks (giantmodel.models.common), listed one by one in ``layer_terms``. Under
+autocast the residual stream stays fp32 (the embedding output is fp32 and
+``x + bf16`` promotes), norms compute in fp32, and each linear casts its
+input to the compute dtype separately, so wq/wk/wv keep three copies. The
+layout of Korthikanti et al. 2022 (34*s*b*h + 5*a*s^2*b per layer in fp16) is
+the cross-check; flash attention removes the s^2 term.
+
+Recompute modes follow giantmodel.parallel.recompute: ``selective`` runs
+each block under an op-level policy that saves matmul outputs and collective
+results and recomputes everything else (norms, rotary, casts, the attention
+core, the MLP activation); ``full`` checkpoints whole blocks and keeps only
+each block's input. Either way the checkpoint keeps the block input.
+
+Weights: autocast caches one low-precision copy of every linear weight per
+forward and autograd keeps it until backward, so zero 0/1 runs also hold
+``compute bytes x linear params`` (less the blocks that recompute, where the
+casts are redone in backward). Under zero 2/3, FSDP2's mixed-precision policy
+gathers bf16 parameters and autocast's casts are no-ops.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from giantmodel.planner.layout import Layout
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MIB = 1024 ** 2
+
+# Fragmentation allowance on top of what the caching allocator hands out for
+# activations and transient buffers (their sizes vary step to step).
+FRAGMENTATION = 0.08
+
+
+# ------------------------------------------------------------------ params
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    """Dimension split by tensor parallelism (None: replicated)."""
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        s = list(self.shape)
+        s[self.tp_dim] //= tp
+        return tuple(s)
+
+
+def _tp_dim(name: str) -> int | None:
+    """How the project's TP plan splits each parameter: column-parallel q/k/v,
+    w1/w3 (weights and biases on dim 0), row-parallel wo/w2 (weights on dim 1,
+    biases replicated), vocab-parallel embedding and head; norms and learned
+    positions replicated."""
+    leaf = name.rsplit(".", 2)
+    if name.startswith("tok_embeddings") or name.startswith("output"):
+        return 0
+    if len(leaf) >= 2 and leaf[-2] in ("wq", "wk", "wv", "w1", "w3"):
+        return 0
+    if len(leaf) >= 2 and leaf[-2] in ("wo", "w2"):
+        return 1 if leaf[-1] == "weight" else None
+    return None
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    embed: tuple[Param, ...]
+    layer: tuple[Param, ...]
+    final: tuple[Param, ...]
+    head: tuple[Param, ...]
+    tied: bool
+
+    def layer_numel(self, tp: int = 1) -> int:
+        return sum(math.prod(p.local_shape(tp)) for p in self.layer)
+
+    def layer_linear_numel(self, tp: int = 1) -> int:
+        return sum(math.prod(p.local_shape(tp)) for p in self.layer if _is_linear(p.name))
+
+    def head_linear_numel(self, tp: int = 1) -> int:
+        return sum(math.prod(p.local_shape(tp)) for p in self.head)
+
+
+def _is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def _model_key(m) -> tuple:
+    return (m.arch, m.hidden_size, m.num_heads, m.kv_heads, m.dim_per_head, m.ffn_hidden_size,
+            m.vocab_size, m.max_seq_len, m.tie_embeddings, m.attn_bias)
+
+
+_TABLES: dict[tuple, ParamTable] = {}
+
+
+def _param_table(key: tuple, model_cfg_obj) -> ParamTable:
+    from giantmodel.models import build_model
+
+    if key in _TABLES:
+        return _TABLES[key]
+
+    one = copy.copy(model_cfg_obj)
+    one.num_layers = 1
+    model = build_model(one, device="meta")
+    groups: dict[str, list[Param]] = {"embed": [], "layer": [], "final": [], "head": []}
+    for name, p in model.named_parameters():  # tied head weight appears once
+        prm = Param(name, tuple(p.shape), _tp_dim(name))
+        if name.startswith(("tok_embeddings", "pos_embeddings")):
+            groups["embed"].append(prm)
+        elif name.startswith("layers."):
+            groups["layer"].append(Param(name.split(".", 2)[2], prm.shape, prm.tp_dim))
+        elif name.startswith("norm"):
+            groups["final"].append(prm)
+        else:
+            groups["head"].append(prm)
+    table = ParamTable(*(tuple(groups[k]) for k in ("embed", "layer", "final", "head")),
+                       tied=model_cfg_obj.tie_embeddings)
+    _TABLES[key] = table
+    return table
+
+
+def param_table(model_cfg) -> ParamTable:
+    """Per-layer and per-component parameter shapes of the model (exact)."""
+    return _param_table(_model_key(model_cfg), model_cfg)
+
+
+def stage_params(table: ParamTable, stage: int, num_stages: int, n_layers: int,
+                 tp: int) -> list[tuple[int, ...]]:
+    """Local (post-TP) shapes of every parameter on one pipeline stage."""
+    shapes: list[tuple[int, ...]] = []
+    if stage == 0:
+        shapes += [p.local_shape(tp) for p in table.embed]
+    for _ in range(n_layers):
+        shapes += [p.local_shape(tp) for p in table.layer]
+    if stage == num_stages - 1:
+        shapes += [p.local_shape(tp) for p in table.final]
+        # With pp > 1 a tied head would need its own copy; the trainer refuses
+        # that layout, so a tied head only exists with a single stage.
+        shapes += [p.local_shape(tp) for p in table.head]
+    return shapes
+
+
+def shard_numel(shape: tuple[int, ...], degree: int, rank: int = 0) -> int:
+    """Elements of ``rank``'s dim-0 shard (FSDP2 chunking: ceil-sized chunks,
+    the last ranks may get fewer or none)."""
+    if degree == 1:
+        return math.prod(shape)
+    rows = shape[0]
+    chunk = -(-rows // degree)
+    mine = max(0, min(chunk, rows - rank * chunk))
+    return mine * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per element of each model state for a precision style."""
+
+    param: int
+    grad: int
+    optim: int
+
+    @staticmethod
+    def for_style(style: str) -> "StateBytes":
+        # autocast (this project): fp32 params used directly under autocast,
+        # fp32 grads, Adam m and v in fp32.  mixed (Megatron/DeepSpeed, the ZeRO
+        # paper): fp16 params and grads, fp32 master + m + v in the optimizer.
+        if style == "autocast":
+            return StateBytes(4, 4, 8)
+        if style == "mixed":
+            return StateBytes(2, 2, 12)
+        if style == "fp32":
+            return StateBytes(4, 4, 8)
+        raise ValueError(f"unknown precision style {style!r}")
+
+
+def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: int,
+                      style: str = "autocast", rank: int = 0,
+                      offload_optimizer: bool = False) -> dict[str, int]:
+    """Params, grads and optimizer states on one rank, by ZeRO stage:
+    1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    b = StateBytes.for_style(style)
+    full = sum(math.prod(s) for s in shapes)
+    shard = sum(shard_numel(s, shard_degree, rank) for s in shapes) if zero else full
+    return {
+        "params": b.param * (shard if zero >= 3 else full),
+        "grads": b.grad * (shard if zero >= 2 else full),
+        "optimizer": 0 if offload_optimizer else b.optim * (shard if zero >= 1 else full),
+    }
+
+
+# ------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class Term:
+    """One tensor saved for backward, per token of the local sequence."""
+
+    name: str
+    bytes_per_token: float
+    split: str
+    """'tp': split by tensor parallelism; 'seq': split by tp only under sequence
+    parallelism (norm/residual region); 'full': neither (gathered linear inputs)."""
+    kv: bool = False
+    """K/V tensor: all-gathered over context parallelism, so cp times longer."""
+
+
+def layer_terms(m, precision: str) -> list[Term]:
+    """Saved tensors of one transformer block (see the module docstring)."""
+    c = DTYPE_BYTES[precision]
+    cast = c < 4   # autocast: each linear casts its input separately
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv, n = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head, m.num_heads
+    terms = []
+    if m.arch == "llama":
+        norm = lambda p: [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
+                          Term(f"{p}.rstd", 4, "seq")]
+        terms += norm("attention_norm")
+        terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
+                  Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
+                  Term("attention.v", c * kv, "tp", kv=True),
+                  Term("attention.lse", 4 * n, "tp"),
+                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
+                  Term("attention.core_out", c * q, "tp")]
+        terms += norm("ffn_norm")
+        terms += [Term("feed_forward.input", 2 * c * h if cast else 4 * h, "full"),
+                  Term("feed_forward.w1_out", c * f, "tp"), Term("feed_forward.w3_out", c * f, "tp"),
+                  Term("feed_forward.silu", c * f, "tp"),
+                  Term("feed_forward.w2_input", c * f, "tp")]
+    else:
+        norm = lambda p: [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.stats", 8, "seq")]
+        terms += norm("attention_norm")
+        terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
+                  Term("attention.q", c * q, "tp"), Term("attention.k", c * kv, "tp", kv=True),
+                  Term("attention.v", c * kv, "tp", kv=True),
+                  Term("attention.lse", 4 * n, "tp"),
+                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
+                  Term("attention.core_out", c * q, "tp")]
+        terms += norm("ffn_norm")
+        terms += [Term("feed_forward.input", c * h if cast else 4 * h, "full"),
+                  Term("feed_forward.w1_out", c * f, "tp"),
+                  Term("feed_forward.w2_input", c * f, "tp")]
+        if m.dropout > 0:  # CUDA dropout keeps a 1-byte mask per element
+            terms += [Term("dropout.masks", 2 * h, "seq"), Term("attention.dropout_rng", 0, "tp")]
+    return terms
+
+
+def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
+    """What the selective policy stores per block: its input, every matmul
+    output, and every collective output (TP all-reduce / SP all-gather and
+    reduce-scatter / CP K/V all-gather)."""
+    c = DTYPE_BYTES[precision]
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    terms = [Term("block.input", 4 * h, "seq"),
+             Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
+             Term("attention.wv_out", c * kv, "tp"),
+             Term("attention.wo_out", c * h, "full"),   # partial sums under tp
+             Term("feed_forward.w1_out", c * f, "tp"),
+             Term("feed_forward.w2_out", c * h, "full")]
+    if m.arch == "llama":
+        terms.append(Term("feed_forward.w3_out", c * f, "tp"))
+    if tp > 1:
+        # all-reduce (or, with sp, reduce-scatter) results of wo and w2
+        terms += [Term("attention.wo_reduced", c * h, "seq"),
+                  Term("feed_forward.w2_reduced", c * h, "seq")]
+        if sp:  # the gathered (fp32) norm outputs that feed the column-parallel linears
+            terms += [Term("attention.gathered_input", 4 * h, "full"),
+                      Term("feed_forward.gathered_input", 4 * h, "full")]
+    if cp > 1:
+        terms += [Term("attention.kv_gathered", 2 * c * kv, "tp", kv=True)]
+    return terms
+
+
+def _term_bytes(t: Term, tokens: float, tp: int, sp: bool, cp: int) -> float:
+    div = tp if (t.split == "tp" or (t.split == "seq" and sp)) else 1
+    return tokens * t.bytes_per_token / div * (cp if t.kv else 1)
+
+
+def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_len: int,
+                           tp: int = 1, sp: bool = False, cp: int = 1) -> dict[str, float]:
+    """Bytes one block keeps for backward for one micro-batch, by tensor name.
+    ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens."""
+    tokens = micro_batch * seq_len / cp
+    terms = layer_terms(m, precision)
+    if mode == "full":
+        first = terms[0]  # the block input (fp32 residual)
+        return {"block.input": _term_bytes(first, tokens, tp, sp, cp)}
+    if mode == "selective":
+        terms = selective_terms(m, precision, tp, sp, cp)
+    return {t.name: _term_bytes(t, tokens, tp, sp, cp) for t in terms}
+
+
+def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
+                          cp: int, first: bool, last: bool) -> dict[str, float]:
+    """Embedding (first stage) and final norm + head + loss (last stage) tensors
+    kept for backward for one micro-batch; logits are vocab-parallel under tp."""
+    c = DTYPE_BYTES[precision]
+    tokens = micro_batch * seq_len / cp
+    h, v = m.hidden_size, m.vocab_size
+    out = {}
+    if first:
+        out["embedding.ids"] = tokens * 8
+        if m.arch == "llama":  # the RoPE rows for this sequence, shared by all layers
+            out["rope_table"] = seq_len / cp * m.dim_per_head * 4
+    if last:
+        seq_div = tp if sp else 1
+        norm = 8 * h if m.arch == "llama" else 4 * h + 8
+        out["final_norm"] = tokens * norm / seq_div
+        out["head.input"] = tokens * (c * h if c < 4 else 4 * h)
+        # logits (compute dtype, held by the step) + fp32 log-softmax output
+        out["logits"] = tokens * (c + 4) * v / tp
+    return out
+
+
+def loss_transient_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int,
+                         cp: int) -> float:
+    """Extra bytes while the loss backward runs: fp32 gradients of the
+    log-softmax output and input (and the cast back under autocast)."""
+    c = DTYPE_BYTES[precision]
+    tokens = micro_batch * seq_len / cp
+    return tokens * m.vocab_size / tp * (8 + (c if c < 4 else 0))
+
+
+# --------------------------------------------------------- in-flight counts
+def inflight_microbatches(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in
+    units of one micro-batch through all of that rank's layers."""
+    pp, m, v = layout.pp, layout.n_micro, layout.virtual
+    if pp == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved_1f1b" and v > 1:
+        # Megatron's warm-up: (pp - r - 1) * 2 + (v - 1) * pp chunks, plus the one running
+        chunks = min(m * v, (pp - pp_rank - 1) * 2 + (v - 1) * pp + 1)
+        return chunks / v
+    if layout.schedule == "zbv":
+        return float(min(m, pp))  # the V layout balances memory across ranks
+    return float(min(m, pp - pp_rank))
+
+
+# ------------------------------------------------------------------ report
+@dataclass
+class RankMemory:
+    pp_rank: int
+    components: dict[str, float]
+    per_layer: dict[str, float]
+    """Bytes one layer keeps for one micro-batch, by saved tensor."""
+    layers: int
+    inflight: float
+
+    @property
+    def peak(self) -> float:
+        return sum(v for k, v in self.components.items()
+                   if k not in ("fragmentation", "reserved"))
+
+    @property
+    def required(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclass
+class MemoryReport:
+    ranks: list[RankMemory] = field(default_factory=list)
+    capacity: float = 0.0
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.required)
+
+    @property
+    def peak_bytes_per_rank(self) -> float:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def required_bytes_per_rank(self) -> float:
+        return self.worst.required
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes_per_rank <= self.capacity
+
+
+def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
+                prefetch_layers: int = 1) -> RankMemory:
+    table = param_table(m)
+    stages = layout.rank_stages(pp_rank)
+    ns = layout.num_stages
+    shapes: list[tuple[int, ...]] = []
+    for s in stages:
+        shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
+    shard_degree = layout.dp_shard * layout.cp
+    comp: dict[str, float] = dict(model_state_bytes(
+        shapes, layout.zero, shard_degree, style, 0, layout.offload_optimizer))
+    c = DTYPE_BYTES[layout.precision]
+    local_full = sum(math.prod(s) for s in shapes)
+    layer_local = table.layer_numel(layout.tp)
+    n_layers = sum(layout.stage_layers[st] for st in stages)
+    # Working weights: autocast keeps a low-precision copy of each linear
+    # weight until backward (zero 0/1; not for blocks a full recompute
+    # re-runs); FSDP2 keeps unsharded params from forward to backward under
+    # zero 2, and prefetches about two layers under zero 3.
+    if layout.zero == 3:
+        comp["working_weights"] = 2 * layer_local * c
+    elif layout.zero == 2:
+        comp["working_weights"] = local_full * c
+    elif c < 4:
+        lin = table.head_linear_numel(layout.tp) if ns - 1 in stages else 0
+        if layout.recompute == "none":
+            lin += n_layers * table.layer_linear_numel(layout.tp)
+        comp["working_weights"] = lin * c
+    else:
+        comp["working_weights"] = 0
+    if layout.zero >= 2:
+        comp["comm_buffers"] = 2 * layer_local * 4   # unsharded grads before reduce-scatter
+    else:
+        comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
+    b, s = layout.micro_batch, layout.seq_len
+    per_layer_none = layer_activation_bytes(m, layout.precision, "none", b, s, layout.tp,
+                                            layout.sp, layout.cp)
+    per_layer = layer_activation_bytes(m, layout.precision, layout.recompute, b, s, layout.tp,
+                                       layout.sp, layout.cp)
+    inflight = inflight_microbatches(layout, pp_rank)
+    layer_bytes = sum(per_layer.values())
+    if layout.offload_activations:
+        # Saved tensors go to host; about prefetch + 1 layers stay resident.
+        acts = min(n_layers, prefetch_layers + 2) * layer_bytes
+    else:
+        acts = n_layers * layer_bytes * inflight
+    edges = edge_activation_bytes(m, layout.precision, b, s, layout.tp, layout.sp, layout.cp,
+                                  first=0 in stages, last=ns - 1 in stages)
+    edge_inflight = {k: v * (inflight if k == "embedding.ids" else 1.0) for k, v in edges.items()}
+    comp["activations"] = acts
+    comp["embedding_head_activations"] = sum(edge_inflight.values())
+    transient = 0.0
+    if layout.recompute == "full":
+        transient = sum(per_layer_none.values())   # one block re-run during backward
+    if ns - 1 in stages:
+        transient = max(transient, loss_transient_bytes(m, layout.precision, b, s, layout.tp,
+                                                        layout.cp))
+    comp["backward_transient"] = transient
+    comp["fragmentation"] = FRAGMENTATION * (acts + comp["embedding_head_activations"] + transient
+                                             + comp["working_weights"] + comp["comm_buffers"])
+    comp["reserved"] = hw.reserved_bytes if hw is not None else 0.0
+    return RankMemory(pp_rank, comp, per_layer, n_layers, inflight)
+
+
+def memory_report(m, layout: Layout, hw, style: str = "autocast") -> MemoryReport:
+    ranks = [rank_memory(m, layout, r, hw, style) for r in range(layout.pp)]
+    return MemoryReport(ranks, hw.memory_bytes if hw is not None else float("inf"))

@@ -1,0 +1,117 @@
+"""Run a function on N local ranks (gloo on CPU), for tests and benchmarks.
+
+Every multi-process test goes through :func:`run_ranks`, so that a hang or a
+crash in one rank fails the test within ``timeout`` seconds instead of stalling
+CI. Starting a rank costs seconds on a small host (Python plus ``import
+torch``), so callers should run several cases inside one call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+            env: dict, backend: str | None, pg_timeout: float, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if backend is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer may be gone already
+                pass
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
+              backend: str | None = "gloo", env: dict | None = None,
+              pg_timeout: float = 60) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    ``fn`` must be importable (a module-level function). With ``backend`` set,
+    the default process group is initialised first. Returns the per-rank
+    results in rank order. Raises ``RuntimeError`` with the failing rank's
+    traceback, or ``TimeoutError`` after ``timeout`` seconds; either way every
+    rank is killed before returning.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    env = dict(env or {})
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(target=_worker, daemon=True,
+                        args=(rank, world_size, port, fn, args, env, backend,
+                              pg_timeout, queue))
+        p.start()
+        procs.append(p)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout}s")
+            try:
+                rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for ranks that died silently
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    # give a dying rank's traceback a moment to arrive first
+                    time.sleep(0.5)
+                    while not queue.empty():
+                        rank, ok, value = queue.get()
+                        if not ok:
+                            raise RuntimeError(f"rank {rank} failed:\n{value}")
+                        results[rank] = value
+                    raise RuntimeError(f"ranks {dead} exited with codes "
+                                       f"{[procs[r].exitcode for r in dead]}")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [results[r] for r in range(world_size)]
+
+
+def scratch_dir(prefix: str = "giantmodel-") -> str:
+    """A fresh temporary directory that every rank of one test can share."""
+    return tempfile.mkdtemp(prefix=prefix)

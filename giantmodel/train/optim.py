@@ -1,0 +1,62 @@
+"""AdamW and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from giantmodel.config.train import OptimConfig
+
+
+def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
+    """Decay matrices (and embeddings); leave norms and biases undecayed."""
+    decay, no_decay, seen = [], [], set()
+    for part in parts:
+        for p in part.parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_adamw(parts: list[nn.Module], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+    impl = cfg.impl
+    if impl == "auto":
+        # The fused kernel exists for CUDA; foreach is the fast path elsewhere.
+        impl = "fused" if device_type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(param_groups(parts, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    if cfg.schedule == "linear":
+        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
+    # wsd: warm-up, stable at lr, then linear decay over the last decay_fraction.
+    decay_start = total_steps - int(round(cfg.decay_fraction * total_steps))
+    if step < decay_start:
+        return cfg.lr
+    # The last step (total_steps - 1) lands exactly on min_lr.
+    frac = (step - decay_start) / max(1, total_steps - 1 - decay_start)
+    return cfg.lr + (cfg.min_lr - cfg.lr) * min(1.0, frac)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, cfg, total_steps) / cfg.lr)

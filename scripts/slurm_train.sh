@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Multi-node training under Slurm: one torchrun per node, c10d rendezvous on
+# the first node. Usage:
+#   sbatch --nodes 4 scripts/slurm_train.sh configs/llama/65b.yaml parallel.tp=8 parallel.pp=4
+#SBATCH --job-name=giantmodel
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=96
+#SBATCH --exclusive
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+
+CONFIG=${1:?usage: sbatch scripts/slurm_train.sh CONFIG [KEY=VALUE ...]}
+shift
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+PORT=${MASTER_PORT:-29500}
+
+# NCCL on InfiniBand / RoCE clusters; adjust to your fabric.
+export NCCL_ASYNC_ERROR_HANDLING=1
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+
+mkdir -p logs
+srun --kill-on-bad-exit=1 torchrun \
+    --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$PORT" --rdzv-id "$SLURM_JOB_ID" \
+    -m giantmodel train --config "$CONFIG" "$@"

@@ -1,0 +1,55 @@
+"""Install giantmodel and build its communication extension when a C++ compiler exists.
+
+torch is required at run time but never at build time: the C++ core has a C
+ABI and is loaded with ctypes, so pip's isolated build never pulls a torch
+wheel, and an installed torch is never replaced.
+"""
+
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+try:
+    from build_ext import get_cmdclass, get_extensions
+except ImportError:  # a source tree without csrc/: pure-Python install
+    def get_extensions():
+        return []
+
+    def get_cmdclass():
+        return {}
+
+TEST = ["pytest>=7", "pytest-timeout>=2", "transformers>=4.45", "tokenizers>=0.19",
+        "datasets>=2.19", "pyarrow>=14", "tensorboard>=2.14"]
+
+setup(
+    name="giantmodel",
+    version="0.1.0",
+    description="Train GPT and LLaMA models with N-D parallelism from one YAML file",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["giantmodel", "giantmodel.*"]),
+    package_data={"giantmodel": ["py.typed"]},
+    install_requires=[
+        # A range that an installed torch satisfies installs nothing more.
+        "torch>=2.6",
+        "pyyaml>=6",
+        "sentencepiece>=0.2",
+        "safetensors>=0.4",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.45", "tokenizers>=0.19", "datasets>=2.19", "pyarrow>=14"],
+        "sd": ["diffusers>=0.30", "transformers>=4.45", "Pillow>=10"],
+        "te": ["transformer-engine[pytorch]>=1.10"],
+        "test": TEST,
+        "dev": TEST + ["ruff>=0.5"],
+    },
+    entry_points={"console_scripts": ["giantmodel=giantmodel.cli:main"]},
+    ext_modules=get_extensions(),
+    cmdclass=get_cmdclass(),
+    zip_safe=False,
+)

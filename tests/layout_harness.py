@@ -1,0 +1,144 @@
+"""Run a few optimizer steps under any layout and compare with one process.
+
+Used by the layout-matrix tests (and the pipeline ones) from inside
+``giantmodel.testing.run_ranks``:
+
+    results = run_ranks(run_cases, 4, [("llama", ["parallel.tp=2"]), ...], 5)
+    ref = reference("llama", ["parallel.tp=2"], 5)       # in the parent
+    assert_matches(results[0][0], ref)
+
+Every case uses a tiny model in fp32 with deterministic synthetic batches:
+step ``s`` draws a global batch of G sequences; dp rank r feeds the
+contiguous slice [r*G/dp, (r+1)*G/dp). Some labels are -100 so that ranks
+hold different token counts and the global token mean is really exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STEPS = 5
+LOSS_RTOL = 1e-5
+PARAM_TOL = 1e-5
+
+TINY = {
+    "llama": ["model.arch=llama", "model.hidden_size=64", "model.num_layers=4",
+              "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=128",
+              "model.vocab_size=256", "model.max_seq_len=64"],
+    "gpt": ["model.arch=gpt", "model.hidden_size=64", "model.num_layers=4",
+            "model.num_heads=4", "model.num_kv_heads=null", "model.ffn_hidden_size=256",
+            "model.vocab_size=256", "model.max_seq_len=64"],
+}
+TRAIN = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2",
+         "train.steps=5", "optim.lr=0.003", "optim.warmup_steps=0",
+         "optim.schedule=constant", "optim.grad_clip=1.0", "precision=fp32"]
+
+
+def make_config(arch: str, overrides: list[str]):
+    from giantmodel.config import load_config
+
+    return load_config(overrides=TINY[arch] + TRAIN + list(overrides))
+
+
+def global_batch(cfg, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch: input_ids and next-token labels, [G, T] each."""
+    G, T, V = cfg.train.global_batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(10_007 * (step + 1))
+    seq = torch.randint(0, V, (G, T + 1), generator=gen)
+    labels = seq[:, 1:].clone()
+    labels[0, : T // 2] = -100  # uneven token counts across dp ranks
+    labels[-1, -3:] = -100
+    return seq[:, :-1].contiguous(), labels
+
+
+def local_microbatches(cfg, step: int, data_rank: int, data_world: int) -> list[dict]:
+    ids, labels = global_batch(cfg, step)
+    per = ids.shape[0] // data_world
+    ids, labels = ids[data_rank * per:(data_rank + 1) * per], labels[data_rank * per:(data_rank + 1) * per]
+    mbs = cfg.train.micro_batch_size
+    return [{"input_ids": ids[i:i + mbs], "labels": labels[i:i + mbs]}
+            for i in range(0, per, mbs)]
+
+
+def full_parameters(engine) -> dict[str, torch.Tensor]:
+    """Every parameter at full shape under its canonical name, on every rank
+    (collective: all ranks must call it)."""
+    import torch.distributed as dist
+
+    from giantmodel.models import canonical_name
+
+    out: dict[str, torch.Tensor] = {}
+    for part in engine.parts:
+        for name, p in part.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[canonical_name(name)] = t.detach().float().cpu().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, out)
+        for d in gathered:
+            out.update(d)
+    return out
+
+
+def run_steps(cfg, steps: int = STEPS, device: str = "cpu") -> dict:
+    """Train ``steps`` steps under ``cfg`` in this process group (or alone)."""
+    import torch.distributed as dist
+
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.parallel.engine import build_engine
+    from giantmodel.train.precision import Precision
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.from_config(cfg, world)
+    if world > 1:
+        dims.build_mesh(device)
+    engine = build_engine(cfg, dims, torch.device(device))
+    precision = Precision(cfg.precision, device)
+    opt = engine.build_optimizer(cfg.optim)
+    losses, norms = [], []
+    for step in range(steps):
+        mbs = local_microbatches(cfg, step, engine.data_rank, engine.data_world)
+        losses.append(engine.forward_backward(mbs, precision))
+        skip = precision.unscale_and_check(engine.parameters(), engine.any_rank)
+        norms.append(engine.clip_grad_norm_(cfg.optim.grad_clip))
+        if not skip:
+            engine.optimizer_step(opt)
+        engine.zero_grad(opt)
+    params = full_parameters(engine)
+    dims.destroy_mesh() if hasattr(dims, "destroy_mesh") else None
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def run_cases(rank: int, world: int, cases: list, steps: int = STEPS) -> list:
+    """``run_ranks`` target: each case is ``(arch, overrides)``; rank 0 returns
+    the results, other ranks return None for each."""
+    out = []
+    for arch, overrides in cases:
+        result = run_steps(make_config(arch, overrides), steps)
+        out.append(result if rank == 0 else None)
+    return out
+
+
+def reference(arch: str, overrides: list[str], steps: int = STEPS) -> dict:
+    """The single-process run of the same case (parallel.* overrides dropped)."""
+    kept = [o for o in overrides if not o.startswith("parallel.")]
+    return run_steps(make_config(arch, kept), steps)
+
+
+def assert_matches(result: dict, ref: dict, label: str = "",
+                   loss_rtol: float = LOSS_RTOL, param_tol: float = PARAM_TOL) -> None:
+    """Every step's loss within ``loss_rtol`` (relative) and every final
+    parameter within ``param_tol`` (absolute + relative) of the reference."""
+    for step, (a, b) in enumerate(zip(result["losses"], ref["losses"], strict=True)):
+        if abs(a - b) > loss_rtol * abs(b):
+            raise AssertionError(f"{label}: step {step} loss {a!r} vs reference {b!r} "
+                                 f"(rel {abs(a - b) / abs(b):.2e} > {loss_rtol})")
+    assert set(result["params"]) == set(ref["params"]), (
+        f"{label}: parameter names differ: {set(result['params']) ^ set(ref['params'])}")
+    for name, ref_t in ref["params"].items():
+        t = result["params"][name]
+        assert t.shape == ref_t.shape, f"{label}: {name} shape {tuple(t.shape)} vs {tuple(ref_t.shape)}"
+        err = (t - ref_t).abs() - param_tol * ref_t.abs()
+        if float(err.max()) > param_tol:
+            raise AssertionError(f"{label}: {name} differs by {float((t - ref_t).abs().max()):.3e} "
+                                 f"after {len(ref['losses'])} steps")

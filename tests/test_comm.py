@@ -1,0 +1,270 @@
+"""The giant backend against gloo: every op, dtype, size, sub-groups, async.
+
+Each multi-rank test runs many cases inside one spawned group, because a
+rank costs seconds to start on a small host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from giantmodel.comm import CommConfig, backend_for, register_backend
+from giantmodel.comm import _lib
+from giantmodel.config.errors import ConfigError
+from giantmodel.testing import run_ranks
+
+needs_core = pytest.mark.skipif(_lib.load() is None, reason="C++ comm core not buildable here")
+
+SIZES = (0, 1, 17, 1001, 10_000_000)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
+          torch.int64)
+
+
+def _data(n: int, rank: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + n % 997 + salt)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype)
+
+
+def _ref_reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
+    """What the core promises: floats reduced in fp32 (fp64 for fp64), rounded once."""
+    acc_t = torch.float64 if dtype in (torch.float64, torch.int64, torch.int32) else torch.float32
+    stack = torch.stack([p.to(acc_t) for p in parts])
+    if op == "sum":
+        r = stack.sum(0)
+    elif op == "avg":
+        r = stack.sum(0) * (1.0 / len(parts))
+    elif op == "max":
+        r = stack.max(0).values
+    else:
+        r = stack.min(0).values
+    return r.to(dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    if not dtype.is_floating_point:
+        return torch.equal(a, b)
+    # fp32 sums in another order differ in the last bit, which can flip a
+    # rounding to 16 bits; allow one unit in the last place of the target.
+    tol = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 8e-3,
+           torch.float16: 1e-3}[dtype]
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _check_all_reduce(rank, world, group, ranks):
+    for dtype in DTYPES:
+        for n in SIZES:
+            if n == SIZES[-1] and dtype not in (torch.float32, torch.bfloat16):
+                continue  # 10^7 on the two dtypes that matter keeps the test short
+            parts = [_data(n, r, dtype) for r in ranks]
+            for op, red in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                            ("min", dist.ReduceOp.MIN), ("avg", dist.ReduceOp.AVG)):
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                if op != "sum" and n == SIZES[-1]:
+                    continue
+                t = parts[ranks.index(rank)].clone()
+                dist.all_reduce(t, op=red, group=group)
+                want = _ref_reduce(parts, op, dtype)
+                assert _close(t, want, dtype), f"all_reduce {op} {dtype} n={n}"
+                if op in ("max", "min") or not dtype.is_floating_point:
+                    g = parts[ranks.index(rank)].clone()  # gloo agrees bit for bit here
+                    dist.all_reduce(g, op=red)
+                    if group is None or len(ranks) == world:
+                        assert torch.equal(t, g), f"all_reduce {op} {dtype} n={n} vs gloo"
+
+
+def _check_scatter_gather(rank, world, group, ranks):
+    w, me = len(ranks), ranks.index(rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        for n in (0, 1, 13, 100_003):
+            parts = [_data(w * n, r, dtype, salt=1) for r in ranks]
+            out = torch.full((n,), 7, dtype=dtype)
+            dist.reduce_scatter_single(out, parts[me].clone(), group=group)
+            want = _ref_reduce(parts, "sum", dtype)[me * n:(me + 1) * n]
+            assert _close(out, want, dtype), f"reduce_scatter {dtype} n={n}"
+            gat = torch.empty(w * n, dtype=dtype)
+            dist.all_gather_single(gat, parts[me][:n].clone(), group=group)
+            assert torch.equal(gat, torch.cat([p[:n] for p in parts])), f"all_gather {dtype} {n}"
+            outs = [torch.empty(n, dtype=dtype) for _ in ranks]
+            dist.all_gather(outs, parts[me][:n].clone(), group=group)
+            assert all(torch.equal(o, p[:n]) for o, p in zip(outs, parts)), "all_gather list"
+            a2a = torch.empty(w * n, dtype=dtype)
+            dist.all_to_all_single(a2a, parts[me].clone(), group=group)
+            want = torch.cat([p[me * n:(me + 1) * n] for p in parts])
+            assert torch.equal(a2a, want), f"all_to_all {dtype} n={n}"
+            b = parts[me][:n].clone()
+            dist.broadcast(b, src=ranks[-1], group=group)
+            assert torch.equal(b, parts[-1][:n]), f"broadcast {dtype} n={n}"
+            r = parts[me][:n].clone()
+            dist.reduce(r, dst=ranks[0], group=group)
+            if rank == ranks[0]:
+                assert _close(r, _ref_reduce([p[:n] for p in parts], "sum", dtype), dtype)
+    # uneven all-to-all and non-contiguous tensors take other paths
+    if w > 1:
+        splits = [me + 1 + i for i in range(w)]
+        inp = torch.arange(sum(splits), dtype=torch.float32) + 100 * me
+        out_splits = [r + 1 + me for r in range(w)]
+        out = torch.empty(sum(out_splits))
+        dist.all_to_all_single(out, inp, out_splits, splits, group=group)
+        nc = torch.arange(20.0).view(4, 5).t()  # non-contiguous
+        dist.all_reduce(nc, group=group)
+        assert torch.equal(nc, torch.arange(20.0).view(4, 5).t() * w)
+
+
+def _check_async_and_coalesced(rank, world, group, ranks):
+    w = len(ranks)
+    ts = [torch.full((1000 + i,), float(rank + i)) for i in range(8)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in ts]
+    futs = [wk.get_future() for wk in works]
+    for wk in works:
+        wk.wait()
+    for i, t in enumerate(ts):
+        assert torch.all(t == sum(r + i for r in ranks)), f"async all_reduce {i}"
+        assert futs[i].value()[0] is t or torch.equal(futs[i].value()[0], t)
+    xs = [torch.full((5,), float(rank)), torch.full((3,), 2.0 * rank)]
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for x in xs:
+            dist.all_reduce(x, group=group)
+    cm.wait()
+    assert torch.all(xs[0] == sum(ranks)) and torch.all(xs[1] == 2 * sum(ranks))
+    outs = [torch.empty(2 * w), torch.empty(3 * w)]
+    ins = [torch.full((2,), float(rank)), torch.full((3,), float(rank))]
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_single(o, i, group=group)
+    cm.wait()
+    assert torch.equal(outs[1], torch.tensor(ranks, dtype=torch.float32).repeat_interleave(3))
+    dist.barrier(group=group)
+
+
+def _ops_worker(rank, world):
+    register_backend()
+    giant = dist.new_group(backend="giant")
+    assert giant.accelerated, "shared-memory core not active"
+    everyone = list(range(world))
+    _check_all_reduce(rank, world, giant, everyone)
+    _check_scatter_gather(rank, world, giant, everyone)
+    _check_async_and_coalesced(rank, world, giant, everyone)
+    sub_ranks = [0, 2]
+    sub = dist.new_group(sub_ranks, backend="giant")
+    if rank in sub_ranks:
+        _check_scatter_gather(rank, world, sub, sub_ranks)
+        _check_async_and_coalesced(rank, world, sub, sub_ranks)
+    # point-to-point is delegated to gloo
+    if rank < 2:
+        t = torch.full((4,), float(rank))
+        if rank == 0:
+            dist.send(t + 10, dst=1, group=giant)
+        else:
+            dist.recv(t, src=0, group=giant)
+            assert torch.all(t == 10)
+    # priority mode: rank 0 picks the order, all ranks follow it
+    os.environ["GIANTMODEL_COMM_PRIORITY"] = "1"
+    prio = dist.new_group(backend="giant")
+    del os.environ["GIANTMODEL_COMM_PRIORITY"]
+    assert prio._engine.priority_mode
+    ts = [torch.full((50_000,), float(rank * (i + 1))) for i in range(6)]
+    works = [prio.allreduce([t], priority=i % 3) for i, t in enumerate(ts)]
+    for wk in works:
+        wk.wait()
+    for i, t in enumerate(ts):
+        assert torch.all(t == sum(r * (i + 1) for r in range(world))), f"priority job {i}"
+    for g in (giant, prio):
+        g.shutdown()
+    return True
+
+
+@needs_core
+@pytest.mark.timeout(150)
+def test_every_op_matches_reference_on_3_ranks():
+    assert run_ranks(_ops_worker, 3, timeout=140) == [True] * 3
+
+
+def _hier_worker(rank, world, cache_dir):
+    from giantmodel.comm import autotune
+
+    register_backend()
+    giant = dist.new_group(backend="giant")
+    topo = giant.topology
+    assert topo.num_nodes == 2 and topo.local_size == 2 and topo.hierarchical
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (0, 1, 3, 1001, 1_000_003):
+            parts = [_data(n, r, dtype, salt=3) for r in range(world)]
+            for op, red in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                            ("avg", dist.ReduceOp.AVG)):
+                t = parts[rank].clone()
+                dist.all_reduce(t, op=red, group=giant)
+                want = _ref_reduce(parts, op, dtype)
+                # across nodes each node's partial sum (|x| < ~8) is rounded to
+                # dtype once more: up to half an ulp of 8 per node in bf16
+                rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 6e-2)
+                assert torch.allclose(t.float(), want.float(), rtol=rtol, atol=atol), (dtype, n, op)
+    # ops without a hierarchical path are delegated and still exact
+    g = torch.empty(4 * world)
+    dist.all_gather_single(g, torch.full((4,), float(rank)), group=giant)
+    assert torch.equal(g, torch.arange(world, dtype=torch.float32).repeat_interleave(4))
+    cfg = CommConfig(backend="giant", autotune_cache_dir=cache_dir)
+    first = autotune.tune(giant, cfg, "tiny-test", 300_000)
+    second = autotune.tune(giant, cfg, "tiny-test", 300_000)
+    cfg.autotune_refresh = True
+    third = autotune.tune(giant, cfg, "tiny-test", 300_000)
+    t = torch.ones(77)
+    dist.all_reduce(t, group=giant)  # still correct after reconfiguring
+    assert torch.all(t == world)
+    return (first.from_cache, second.from_cache, third.from_cache, first.bucket_mb,
+            second.bucket_mb, first.chunk_kb == second.chunk_kb, len(first.seconds))
+
+
+@needs_core
+@pytest.mark.timeout(120)
+def test_hierarchical_two_emulated_nodes_and_autotune_cache(tmp_path):
+    res = run_ranks(_hier_worker, 4, str(tmp_path), timeout=110,
+                    env={"GIANTMODEL_COMM_NODE_SIZE": "2"})
+    first, second, third, b1, b2, same_chunk, n_measured = res[0]
+    assert (first, second, third) == (False, True, False)
+    assert b1 == b2 and same_chunk and n_measured >= 5
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert all(r == res[0] for r in res)
+
+
+def test_config_validation_names_the_key():
+    CommConfig().validate()
+    for kwargs, key in (({"backend": "mpi"}, "comm.backend"), ({"chunk_kb": 6}, "comm.chunk_kb"),
+                        ({"hierarchical": "yes"}, "comm.hierarchical"),
+                        ({"node_size": -1}, "comm.node_size"),
+                        ({"bucket_mb": -2.0}, "comm.bucket_mb"),
+                        ({"cuda_cpu_reduce": True}, "comm.cuda_cpu_reduce")):
+        with pytest.raises(ConfigError) as exc:
+            CommConfig(**kwargs).validate()
+        assert exc.value.key == key
+
+
+def test_backend_for_and_registration(monkeypatch):
+    assert backend_for(CommConfig(), "cpu") == "gloo"
+    assert backend_for(CommConfig(), "cuda") == "nccl"
+    with pytest.raises(ConfigError):
+        backend_for(CommConfig(backend="nccl"), "cpu")
+    monkeypatch.delenv("GIANTMODEL_COMM_NODE_SIZE", raising=False)
+    assert backend_for(CommConfig(backend="giant", node_size=2), "cpu") == "giant"
+    assert os.environ["GIANTMODEL_COMM_NODE_SIZE"] == "2"
+    register_backend()
+    register_backend()  # idempotent
+    assert "giant" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["giant"] == ["cpu", "cuda"]
+
+
+def test_bench_arguments_parse():
+    from giantmodel.comm import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--sizes", "4K,64M", "--json"])
+    assert [bench.parse_size(s) for s in args.sizes.split(",")] == [4096, 64 << 20]
+    assert bench.memory_bound_busbw("all_reduce", 2, 20.0) == pytest.approx(5.0)
