@@ -237,9 +237,17 @@ int wait_on(Comm* c, Flag& f, int peer, uint32_t target) {
   auto reached = [&] {
     return static_cast<int32_t>(f.value.load(std::memory_order_acquire) - target) >= 0;
   };
-  for (int i = 0; i < 4096; ++i) {
+  // A peer already inside the collective arrives within microseconds: spin
+  // briefly for it. Then yield, then sleep: on a host with more runnable
+  // threads than cores (ranks plus their compute threads) spinning longer
+  // would steal the very core the peer needs.
+  for (int i = 0; i < 256; ++i) {
     if (reached()) return kOk;
-    if ((i & 63) == 63) sched_yield(); else cpu_relax();
+    cpu_relax();
+  }
+  for (int i = 0; i < 32; ++i) {
+    if (reached()) return kOk;
+    sched_yield();
   }
   const double deadline = now_s() + c->timeout_s;
   const timespec nap{0, 2000000};

@@ -9,6 +9,8 @@ torch``), so callers should run several cases inside one call.
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import socket
 import tempfile
 import time
@@ -41,8 +43,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         if backend is not None:
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout))
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle copies tensor data: torch's queue would pass tensors
+        # through shared memory that dies with this process.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -85,7 +88,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout}s")
             try:
                 rank, ok, value = queue.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty: check for ranks that died silently
+            except queue_module.Empty:  # check for ranks that died silently
                 dead = [r for r, p in enumerate(procs)
                         if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
@@ -95,13 +98,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
                         rank, ok, value = queue.get()
                         if not ok:
                             raise RuntimeError(f"rank {rank} failed:\n{value}")
-                        results[rank] = value
+                        results[rank] = pickle.loads(value)
                     raise RuntimeError(f"ranks {dead} exited with codes "
                                        f"{[procs[r].exitcode for r in dead]}")
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)

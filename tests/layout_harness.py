@@ -30,7 +30,7 @@ TINY = {
             "model.vocab_size=256", "model.max_seq_len=64"],
 }
 TRAIN = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2",
-         "train.steps=5", "optim.lr=0.003", "optim.warmup_steps=0",
+         "train.steps=5", "optim.lr=0.001", "optim.eps=1e-6", "optim.warmup_steps=0",
          "optim.schedule=constant", "optim.grad_clip=1.0", "precision=fp32"]
 
 
@@ -115,6 +115,9 @@ def run_cases(rank: int, world: int, cases: list, steps: int = STEPS) -> list:
     out = []
     for arch, overrides in cases:
         result = run_steps(make_config(arch, overrides), steps)
+        # numpy, not torch: tensors cross process boundaries as shared-memory
+        # handles that die with the rank that made them.
+        result["params"] = {k: v.numpy() for k, v in result["params"].items()}
         out.append(result if rank == 0 else None)
     return out
 
@@ -127,16 +130,19 @@ def reference(arch: str, overrides: list[str], steps: int = STEPS) -> dict:
 
 def assert_matches(result: dict, ref: dict, label: str = "",
                    loss_rtol: float = LOSS_RTOL, param_tol: float = PARAM_TOL) -> None:
-    """Every step's loss within ``loss_rtol`` (relative) and every final
+    """Every step's loss and global grad norm within ``loss_rtol`` (relative), and every final
     parameter within ``param_tol`` (absolute + relative) of the reference."""
     for step, (a, b) in enumerate(zip(result["losses"], ref["losses"], strict=True)):
         if abs(a - b) > loss_rtol * abs(b):
             raise AssertionError(f"{label}: step {step} loss {a!r} vs reference {b!r} "
                                  f"(rel {abs(a - b) / abs(b):.2e} > {loss_rtol})")
+    for step, (a, b) in enumerate(zip(result["norms"], ref["norms"], strict=True)):
+        if abs(a - b) > loss_rtol * abs(b):
+            raise AssertionError(f"{label}: step {step} grad norm {a!r} vs reference {b!r}")
     assert set(result["params"]) == set(ref["params"]), (
         f"{label}: parameter names differ: {set(result['params']) ^ set(ref['params'])}")
     for name, ref_t in ref["params"].items():
-        t = result["params"][name]
+        t = torch.as_tensor(result["params"][name])
         assert t.shape == ref_t.shape, f"{label}: {name} shape {tuple(t.shape)} vs {tuple(ref_t.shape)}"
         err = (t - ref_t).abs() - param_tol * ref_t.abs()
         if float(err.max()) > param_tol:

@@ -15,9 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from giantmodel.checkpoint import (CheckpointManager, ModelState, OptimizerState, PerRank,
-                                   RNGState, load_model_weights)
-from giantmodel.checkpoint import layout
+from giantmodel.checkpoint import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    PerRank,
+    RNGState,
+    layout,
+    load_model_weights,
+)
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.train import CheckpointConfig
 from giantmodel.models import build_model, init_weights
@@ -200,7 +206,7 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_killed_process_mid_save_leaves_latest_intact(tmp_path):
     script = KILL_SCRIPT.format(tests=str(REPO / "tests"), run=str(tmp_path))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False,
                           timeout=50)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     ckpt = tmp_path / "checkpoints"
@@ -217,7 +223,7 @@ def test_killed_process_mid_save_leaves_latest_intact(tmp_path):
 
 def test_retention(tmp_path):
     cfg = tiny_cfg()
-    model, opt, sched = make_run(cfg)
+    model, _, _ = make_run(cfg)
     ckpt = tmp_path / "checkpoints"
     mgr = CheckpointManager(CheckpointConfig(keep=2), tmp_path, is_rank0=True)
     for step in (10, 20, 30, 40):
@@ -264,10 +270,13 @@ def test_async_save(tmp_path, monkeypatch):
 
 def test_per_rank_fallback_and_weights_only(tmp_path, caplog):
     cfg = tiny_cfg()
-    model, opt, sched = make_run(cfg)
-    loader_state = {"epoch": 2, "offset": 17}
+    model, _, _ = make_run(cfg)
+    import numpy as np
+    loader_state = {"epoch": 2, "offset": 17, "order": np.arange(5, dtype=np.int32)}
+    counters = {"seen": np.int64(40)}
     mgr = CheckpointManager(CheckpointConfig(), tmp_path, is_rank0=True)
-    mgr.save(5, {"model": ModelState([model]), "loader": PerRank(loader_state)})
+    mgr.save(5, {"model": ModelState([model]), "loader": PerRank(loader_state),
+                 "counters": counters})
     # pretend the checkpoint came from 2 ranks and this is rank 1 of 4
     meta = tmp_path / "checkpoints" / "step-00000005" / "meta.json"
     meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 2'))
@@ -276,9 +285,14 @@ def test_per_rank_fallback_and_weights_only(tmp_path, caplog):
     rng = RNGState()
     torch.manual_seed(42)
     before = torch.get_rng_state()
+    loaded_counters = {"seen": 0}
     with caplog.at_level("WARNING"):
-        mgr.load({"loader": PerRank(target), "rng": rng})
-    assert target == loader_state  # fell back to rank 0's copy
+        mgr.load({"loader": PerRank(target), "rng": rng, "counters": loaded_counters})
+    assert loaded_counters == {"seen": 40}
+    # fell back to rank 0's copy; numpy values survive the restricted unpickler
+    assert target.keys() == loader_state.keys() and target["offset"] == 17
+    assert np.array_equal(target["order"], loader_state["order"])
+    assert target["order"].dtype == np.int32
     assert torch.equal(torch.get_rng_state(), before)  # RNG: skipped, not rank 0's
     assert "saved by 2 ranks and is loaded by 4" in caplog.text
 
@@ -333,9 +347,11 @@ def _fsdp_worker(rank: int, world: int, run_a: str, run_b: str):
         return model, opt, sched
 
     def full(model, opt):
-        params = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        # numpy, not tensors: tensors cross the result queue through shared
+        # memory that dies with this process
+        params = {k: v.full_tensor().numpy() for k, v in model.state_dict().items()}
         osd = OptimizerState([model], opt).state_dict()
-        moments = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+        moments = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).numpy()
                    for k, v in osd.items() if k.startswith("state.")}
         return params, moments
 
@@ -348,7 +364,7 @@ def _fsdp_worker(rank: int, world: int, run_a: str, run_b: str):
     train_step(model, opt, sched, cfg)
     mgr.save(2, full_state(model, cfg, opt, sched))
     mgr.wait()
-    result = {"saved": full(model, opt), "rng": torch.get_rng_state()}
+    result = {"saved": full(model, opt), "rng": torch.get_rng_state().numpy()}
     mgr.close()
 
     model, opt, sched = sharded_run(5)
@@ -356,7 +372,58 @@ def _fsdp_worker(rank: int, world: int, run_a: str, run_b: str):
         full_state(model, cfg, opt, sched))
     result["loaded"] = full(model, opt)
     result["local_numel"] = model.layers["0"].attention.wq.weight.to_local().numel()
+    del model, opt, sched
+    result.update(_tp_and_pipeline_cases(rank, cfg, run_b))
     return result
+
+
+def _tp_and_pipeline_cases(rank: int, cfg: ModelConfig, run_b: str) -> dict:
+    """Load the plain checkpoint into a tensor-parallel model and into a
+    two-stage split (each rank one layer), and save both back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2,))
+    model = build_model(cfg, "meta")
+    plan = {}
+    for i in model.layers:
+        plan.update({f"layers.{i}.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
+        plan.update({f"layers.{i}.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")})
+        plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
+        plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    init_weights(model, cfg, seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    run_b = Path(run_b)
+    CheckpointManager(CheckpointConfig(), run_b, is_rank0=rank == 0).load(
+        full_state(model, cfg, opt, sched), step=1)
+    out["tp_wq_local"] = model.layers["1"].attention.wq.weight.to_local().detach().numpy().copy()
+    torch.manual_seed(1)
+    out["tp_loss"] = train_step(model, opt, sched, cfg)  # continues as if uninterrupted
+    CheckpointManager(CheckpointConfig(), run_b / "tp", is_rank0=rank == 0).save(
+        2, full_state(model, cfg, opt, sched))
+
+    # pipeline-style split: rank 0 holds embeddings + layer 0, rank 1 layer 1 + head
+    stage = build_model(cfg, "cpu")
+    if rank == 0:
+        del stage.layers["1"]
+        stage.norm = stage.output = None
+    else:
+        del stage.layers["0"]
+        stage.tok_embeddings = None
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    parts = [stage]
+    mgr = CheckpointManager(CheckpointConfig(), run_b, is_rank0=rank == 0)
+    mgr.load({"model": ModelState(parts), "optimizer": OptimizerState(parts, opt)}, step=1)
+    out["pp_keys"] = sorted(stage.state_dict())
+    head = stage.output.weight if rank == 1 else stage.tok_embeddings.weight
+    out["pp_head"] = head.detach().numpy().copy()
+    out["pp_head_moment"] = opt.state[head]["exp_avg"].numpy().copy()
+    CheckpointManager(CheckpointConfig(), run_b / "pp", is_rank0=rank == 0).save(
+        1, {"model": ModelState(parts), "optimizer": OptimizerState(parts, opt)})
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -371,7 +438,9 @@ def test_fsdp2_checkpoint_is_layout_independent(tmp_path):
     run_b = tmp_path / "b"
     CheckpointManager(CheckpointConfig(), run_b, is_rank0=True).save(
         1, full_state(plain, cfg, opt, sched))
-    plain_osd = OptimizerState([plain], opt).state_dict()
+    plain_osd = {k: v.clone() if torch.is_tensor(v) else v
+                 for k, v in OptimizerState([plain], opt).state_dict().items()}
+    plain_at_save = {k: v.clone() for k, v in plain.state_dict().items()}
 
     run_a = tmp_path / "a"
     results = run_ranks(_fsdp_worker, 2, str(run_a), str(run_b), timeout=110)
@@ -386,17 +455,76 @@ def test_fsdp2_checkpoint_is_layout_independent(tmp_path):
     mgr = CheckpointManager(CheckpointConfig(), run_a, is_rank0=True)
     assert mgr.load(full_state(model, cfg, opt2, sched2)) == 2
     assert sched2.last_epoch == 2
-    assert torch.equal(torch.get_rng_state(), results[0]["rng"])  # rank 0's stream
+    assert torch.equal(torch.get_rng_state(), torch.from_numpy(results[0]["rng"]))  # rank 0's
     for k, v in model.state_dict().items():
-        assert torch.equal(v, params[k]), k
+        assert torch.equal(v, torch.from_numpy(params[k])), k
     osd = OptimizerState([model], opt2).state_dict()
     for k, v in moments.items():
-        assert torch.equal(osd[k], v), k
+        assert torch.equal(osd[k], torch.from_numpy(v)), k
 
     # plain -> FSDP2: every rank's gathered state equals the plain one
     for r in results:
         loaded_params, loaded_moments = r["loaded"]
         for k, v in plain.state_dict().items():
-            assert torch.equal(loaded_params[k], v), k
+            assert torch.equal(torch.from_numpy(loaded_params[k]), v), k
         for k, v in loaded_moments.items():
-            assert torch.equal(plain_osd[k], v), k
+            assert torch.equal(plain_osd[k], torch.from_numpy(v)), k
+
+    # plain -> tensor parallel: each rank holds its row block of wq
+    wq = plain.layers["1"].attention.wq.weight
+    for rank, r in enumerate(results):
+        assert torch.equal(torch.from_numpy(r["tp_wq_local"]), wq.chunk(2, dim=0)[rank])
+    # ... and one more step there equals one more step here; the TP checkpoint
+    # then loads into a plain process with the same parameters and moments
+    torch.manual_seed(1)
+    loss = train_step(plain, opt, sched, cfg)
+    assert results[0]["tp_loss"] == pytest.approx(loss, rel=1e-5)
+    model, opt3, sched3 = make_run(cfg, seed=12)
+    CheckpointManager(CheckpointConfig(), run_b / "tp", is_rank0=True).load(
+        full_state(model, cfg, opt3, sched3))
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+    osd, ref_osd = OptimizerState([model], opt3).state_dict(), OptimizerState([plain], opt).state_dict()
+    for k, v in ref_osd.items():
+        if k.startswith("state."):
+            torch.testing.assert_close(osd[k], v, rtol=1e-5, atol=1e-6)
+
+    # plain (tied) -> two pipeline stages: each loads only its layers; the
+    # last stage's untied head takes the embedding and its optimizer state
+    first_keys = sorted([k for k in plain_at_save if k.startswith("layers.0.")]
+                        + ["tok_embeddings.weight"])
+    assert results[0]["pp_keys"] == first_keys
+    assert "output.weight" in results[1]["pp_keys"]
+    assert not any(k.startswith("layers.0.") for k in results[1]["pp_keys"])
+    emb = plain_at_save["tok_embeddings.weight"]
+    emb_moment = plain_osd["state.tok_embeddings.weight.exp_avg"]
+    for r in results:
+        assert torch.equal(torch.from_numpy(r["pp_head"]), emb)
+        assert torch.equal(torch.from_numpy(r["pp_head_moment"]), emb_moment)
+    # the union of the two stages' checkpoint is the whole model again
+    whole = init_weights(build_model(cfg), cfg, 13)
+    opt4 = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    CheckpointManager(CheckpointConfig(), run_b / "pp", is_rank0=True).load(
+        {"model": ModelState([whole]), "optimizer": OptimizerState([whole], opt4)})
+    for k, v in plain_at_save.items():
+        assert torch.equal(whole.state_dict()[k], v), k
+    osd = OptimizerState([whole], opt4).state_dict()
+    for k, v in plain_osd.items():
+        if k.startswith("state."):
+            assert torch.equal(osd[k], v), k
+
+
+def test_load_into_a_different_model_names_the_cause(tmp_path):
+    from giantmodel.config.errors import UserInputError
+
+    model, opt, sched = make_run(tiny_cfg())
+    mgr = CheckpointManager(CheckpointConfig(), tmp_path, is_rank0=True)
+    mgr.save(1, full_state(model, tiny_cfg(), opt, sched))
+    bigger = tiny_cfg(vocab_size=96)
+    other, opt2, sched2 = make_run(bigger)
+    with pytest.raises(UserInputError, match=r"Size mismatch .* for model.tok_embeddings.weight.*new run.dir"):
+        mgr.load(full_state(other, bigger, opt2, sched2))
+    with pytest.raises(UserInputError, match="was the checkpoint saved by a model with this config"):
+        load_model_weights([other], tmp_path)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        CheckpointManager(CheckpointConfig(), tmp_path / "empty", is_rank0=True).load({})

@@ -126,3 +126,23 @@ def test_train_then_generate_from_the_run(tmp_path, capsys):
     assert main(["generate", "--run-dir", str(run), "--tokenizer", str(tmp_path / "sp.model"),
                  "--prompt", "def", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.strip().startswith("def")
+
+
+@pytest.mark.timeout(240)
+def test_nproc_per_node_spawns_ranks_that_match_one_process(tmp_path):
+    """`giantmodel train --nproc-per-node 2` runs dp=2 through torch's elastic
+    launcher; its losses equal the single-process run of the same config."""
+    common = [*SMALL, "data.source=synthetic", "train.steps=3", "train.eval_every=0",
+              "train.log_every=1", "train.sample_tokens=0", "checkpoint.every=0",
+              "checkpoint.save_final=false", "train.global_batch_size=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", *common, f"run.dir={one}"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "giantmodel", "train", "--nproc-per-node", "2",
+                           *common, f"run.dir={two}"], capture_output=True, text=True,
+                          env=_env(), timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    la = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert len(la) == len(lb) == 3
+    assert lb == pytest.approx(la, rel=1e-5)

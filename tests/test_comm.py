@@ -141,6 +141,9 @@ def _check_async_and_coalesced(rank, world, group, ranks):
             dist.all_gather_single(o, i, group=group)
     cm.wait()
     assert torch.equal(outs[1], torch.tensor(ranks, dtype=torch.float32).repeat_interleave(3))
+    p = torch.full((9,), float(rank + 1))
+    dist.all_reduce(p, op=dist._make_nccl_premul_sum(0.5), group=group)  # FSDP2 uses it
+    assert torch.all(p == 0.5 * sum(r + 1 for r in ranks))
     dist.barrier(group=group)
 
 
@@ -195,7 +198,7 @@ def _hier_worker(rank, world, cache_dir):
     topo = giant.topology
     assert topo.num_nodes == 2 and topo.local_size == 2 and topo.hierarchical
     for dtype in (torch.float32, torch.bfloat16):
-        for n in (0, 1, 3, 1001, 1_000_003):
+        for n in (0, 1, 3, 1001, 1_000_003, 5_000_001):
             parts = [_data(n, r, dtype, salt=3) for r in range(world)]
             for op, red in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
                             ("avg", dist.ReduceOp.AVG)):
@@ -251,7 +254,8 @@ def test_backend_for_and_registration(monkeypatch):
     assert backend_for(CommConfig(), "cuda") == "nccl"
     with pytest.raises(ConfigError):
         backend_for(CommConfig(backend="nccl"), "cpu")
-    monkeypatch.delenv("GIANTMODEL_COMM_NODE_SIZE", raising=False)
+    for key in CommConfig(backend="giant").to_env():
+        monkeypatch.setenv(key, "0")  # restored (or removed) after the test
     assert backend_for(CommConfig(backend="giant", node_size=2), "cpu") == "giant"
     assert os.environ["GIANTMODEL_COMM_NODE_SIZE"] == "2"
     register_backend()

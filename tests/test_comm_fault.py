@@ -26,6 +26,8 @@ VICTIM = WORLD - 1
 
 
 def _worker(rank: int, port: int, queue) -> None:
+    for key in [k for k in os.environ if k.startswith("GIANTMODEL_COMM_")]:
+        del os.environ[key]  # one flat shared-memory group, whatever the caller set
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -59,6 +61,8 @@ def _worker(rank: int, port: int, queue) -> None:
         queue.put(("kill", rank, "no error", time.monotonic() - t0))
     except Exception as exc:  # noqa: BLE001
         queue.put(("kill", rank, str(exc), time.monotonic() - t0))
+    queue.close()
+    queue.join_thread()  # flush the reports: os._exit below skips the feeder thread
     os._exit(0)  # skip teardown that would wait on the dead rank
 
 

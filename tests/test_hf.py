@@ -10,9 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from giantmodel.config.errors import UserInputError  # noqa: E402
-from giantmodel.models.hf import (from_hf, hf_config_to_model_config, load_hf_into,  # noqa: E402
-                                  to_hf)
+from giantmodel.config.errors import UserInputError
+from giantmodel.models.hf import from_hf, hf_config_to_model_config, load_hf_into, to_hf
 
 TOL = 1e-5
 
@@ -61,7 +60,9 @@ CASES = {
         rope_theta=500000.0, max_position_embeddings=64, num_key_value_heads=1,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama_wide_heads": lambda: _llama(head_dim=24),  # heads * head_dim != hidden
     "gpt2_tied": lambda: _gpt2(),
+    "gpt2_untied": lambda: _gpt2(tie_word_embeddings=False, n_inner=96),
 }
 
 

@@ -4,9 +4,8 @@ Single process: giantmodel.planner.measure's live-storage counter (storages
 created by the forward and still alive after it), with saved-tensor hooks as
 a cross-check where no recompute hides tensors from them. Recompute is the
 project's own (giantmodel.parallel.recompute). Tensor and sequence
-parallelism: the project's DTensor plan on 2 gloo ranks, measured with the
-profiler's allocation events (DTensor ops are not visible to a dispatch mode),
-per layer as the difference between a 3-layer and a 1-layer model.
+parallelism: the project's DTensor plan on 2 gloo ranks, per layer, as the
+difference between a 3-layer and a 1-layer model.
 """
 
 from __future__ import annotations
@@ -19,19 +18,19 @@ import torch
 from giantmodel.config.model import ModelConfig
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.recompute import apply_recompute
-from giantmodel.testing import run_ranks
 from giantmodel.planner.layout import Layout
 from giantmodel.planner.measure import LiveStorageCounter, SavedTensorCounter
-from giantmodel.planner.memory import (DTYPE_BYTES, layer_activation_bytes, rank_memory)
+from giantmodel.planner.memory import DTYPE_BYTES, layer_activation_bytes, rank_memory
+from giantmodel.testing import run_ranks
 from giantmodel.train.loss import cross_entropy_sum
 
 B, T = 2, 128
 
 
 def tiny(arch: str, **kw) -> ModelConfig:
-    base = dict(arch=arch, hidden_size=256, num_layers=3, num_heads=8,
-                num_kv_heads=4 if arch == "llama" else None, head_dim=32,
-                ffn_hidden_size=768 if arch == "llama" else 1024, vocab_size=2048, max_seq_len=512)
+    base = {"arch": arch, "hidden_size": 256, "num_layers": 3, "num_heads": 8,
+                "num_kv_heads": 4 if arch == "llama" else None, "head_dim": 32,
+                "ffn_hidden_size": 768 if arch == "llama" else 1024, "vocab_size": 2048, "max_seq_len": 512}
     base.update(kw)
     return ModelConfig(**base)
 
@@ -101,17 +100,15 @@ def test_activation_model_within_10_percent_of_measured():
             # hooks see what autograd saved: everything live except the logits
             # the caller holds
             logits = B * T * m.vocab_size / tp * DTYPE_BYTES[prec]
-            assert abs((pred - logits) / saved - 1) < 0.10, (arch, prec, tp, saved, pred - logits)
+            assert abs((pred - logits) / saved - 1) < 0.02, (arch, prec, tp, saved, pred - logits)
     for r in rows:
         print("activation", *r)
-    bad = [r for r in rows if abs(r[-1]) > 0.10]
+    bad = [r for r in rows if abs(r[-1]) > 0.02]
     assert not bad, "\n".join(map(str, bad))
 
 
 def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> int:
-    """Net bytes allocated by a forward + loss on this rank (profiler events)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Bytes the forward + loss leave alive on this rank."""
     from giantmodel.config.schema import JobConfig
     from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
 
@@ -120,12 +117,12 @@ def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> i
     model = parallelize_chunk(build_model(m, "meta"), dims, cfg)
     init_weights(model, m, 0, "cpu")
     ids = torch.randint(0, m.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with loss_context(dims):
-            with autocast(prec):
-                logits = model(ids)
-            loss, _ = loss_fn(logits, ids)
-    net = sum(e.self_cpu_memory_usage for e in prof.events())
+    live = LiveStorageCounter()
+    with live, loss_context(dims):
+        with autocast(prec):
+            logits = model(ids)
+        loss, _ = loss_fn(logits, ids)
+    net = live.live_bytes()
     with loss_context(dims):
         loss.backward()
     return net
@@ -150,19 +147,88 @@ def test_tensor_and_sequence_parallel_layer_activations():
     # Sequence parallelism is measured by the simulated test below: the
     # model's forward does not run under the sp plan yet (RoPE rows and
     # learned positions are taken at the local sequence length).
-    cases = [(arch, prec, mode, False) for arch in ("llama", "gpt") for prec in ("fp32", "bf16")
+    cases = [(arch, prec, mode, False) for arch in ("llama", "gpt") for prec in ("bf16",)
              for mode in ("none", "selective", "full")]
     per_rank = run_ranks(_tp_worker, tp, cases, timeout=140)
     bad = []
     for i, (arch, prec, mode, sp) in enumerate(cases):
         m = tiny(arch)
         pred = sum(layer_activation_bytes(m, prec, mode, B, T, tp=tp, sp=sp).values())
-        if mode == "none":  # autocast's weight copies, per layer
+        if mode == "none" and DTYPE_BYTES[prec] < 4:  # autocast's weight copies, per layer
             from giantmodel.planner.memory import param_table
             pred += param_table(m).layer_linear_numel(tp) * DTYPE_BYTES[prec]
         measured = max(r[i] for r in per_rank)
         print("tp-activation", arch, prec, mode, "sp" if sp else "-", measured, pred,
               pred / measured - 1)
-        if abs(pred / measured - 1) > 0.10:
+        if abs(pred / measured - 1) > 0.02:
             bad.append((arch, prec, mode, sp, measured, pred))
     assert not bad, bad
+
+
+class _Gather(torch.autograd.Function):
+    """Stand-in for the sequence all-gather: allocates the full-length tensor
+    the collective would; backward keeps this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return torch.cat([x] * tp, dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.tp, dim=1)[0].clone(), None
+
+
+class _Scatter(torch.autograd.Function):
+    """Stand-in for the reduce-scatter back to this rank's sequence shard."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.chunk(tp, dim=1)[0].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.cat([g] * ctx.tp, dim=1), None
+
+
+def _sp_block(blk, x, rope, tp):
+    a = blk.attention(_Gather.apply(blk.attention_norm(x), tp), rope)
+    x = x + _Scatter.apply(a, tp)
+    f = blk.feed_forward(_Gather.apply(blk.ffn_norm(x), tp))
+    return x + _Scatter.apply(f, tp)
+
+
+@pytest.mark.timeout(60)
+def test_sequence_parallel_layer_activations_simulated():
+    """Per-rank shapes on one process, norms on sequence shards, gathered
+    inputs for the column-parallel linears. Covers none and full recompute
+    (selective's policy keys on real collective ops, so it needs the real
+    plan)."""
+    from torch.utils.checkpoint import checkpoint
+
+    tp, layers = 2, 2
+    for arch in ("llama", "gpt"):
+        m = tiny(arch)
+        local = dataclasses.replace(sliced(m, tp), num_layers=layers)
+        for prec in ("fp32", "bf16"):
+            for mode in ("none", "full"):
+                model = _build(local)
+                rope = model.rope[:T] if arch == "llama" else None
+                x0 = torch.randn(B, T // tp, m.hidden_size, requires_grad=True)
+                live = LiveStorageCounter()
+                with live, autocast(prec):
+                    x = x0 * 1.0  # created inside: the first block's input counts
+                    for blk in model.layers.values():
+                        if mode == "full":
+                            x = checkpoint(_sp_block, blk, x, rope, tp, use_reentrant=False)
+                        else:
+                            x = _sp_block(blk, x, rope, tp)
+                measured = live.live_bytes(exclude=(x,))
+                pred = layers * sum(layer_activation_bytes(m, prec, mode, B, T, tp=tp,
+                                                           sp=True).values())
+                if mode == "none" and DTYPE_BYTES[prec] < 4:
+                    from giantmodel.planner.memory import param_table
+                    pred += layers * param_table(m).layer_linear_numel(tp) * DTYPE_BYTES[prec]
+                print("sp-activation", arch, prec, mode, measured, pred, pred / measured - 1)
+                assert abs(pred / measured - 1) < 0.02, (arch, prec, mode, measured, pred)

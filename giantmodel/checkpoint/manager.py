@@ -28,10 +28,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from giantmodel.checkpoint import layout
 from giantmodel.checkpoint.state import ModelState, is_per_rank, model_config_of
+from giantmodel.config.errors import UserInputError
 from giantmodel.config.train import CheckpointConfig
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+
+
+def _numpy_globals() -> list:
+    """What the restricted unpickler needs for numeric and string numpy
+    arrays and scalars, which data loader states often hold."""
+    import numpy as np
+    core = getattr(np, "_core", None) or np.core
+    dtype_classes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDGUS"}
+    return [np.ndarray, np.dtype, core.multiarray._reconstruct, core.multiarray.scalar,
+            *dtype_classes]
+
+
+def safe_load(fileobj) -> Any:
+    """``torch.load`` with ``weights_only=True``, plus numpy arrays/scalars."""
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(fileobj, map_location="cpu", weights_only=True)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -40,7 +57,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     them with the restricted unpickler."""
 
     def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = safe_load(value)
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -52,6 +69,23 @@ def barrier(group) -> None:
     """Wait for every rank of ``group`` (no-op without a process group)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)
+
+
+def broadcast_from_rank0(value: Any, group) -> Any:
+    """Rank 0's ``value`` on every rank of ``group`` (identity without one)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def dcp_error_message(e: BaseException) -> str:
+    """The underlying errors of a DCP failure, without DCP's tracebacks."""
+    if isinstance(e, CheckpointException):
+        causes = {f"{type(exc).__name__}: {exc}" for exc, _ in e.failures.values()}
+        return "; ".join(sorted(causes))
+    return f"{type(e).__name__}: {e}"
 
 
 def _distributed() -> bool:
@@ -95,7 +129,6 @@ class CheckpointManager:
         dist_on = _distributed()
         self.rank = dist.get_rank(process_group) if dist_on else 0
         self.world_size = dist.get_world_size(process_group) if dist_on else 1
-        self.dir.mkdir(parents=True, exist_ok=True)
         # A background save must not interleave its collectives with the
         # training step's on the same group, so it gets a gloo group of its own.
         self._async_pg = None
@@ -110,8 +143,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ queries
 
     def latest_step(self) -> int | None:
-        """Step of the newest complete checkpoint, or None."""
-        return layout.read_latest(self.dir)
+        """Step of the newest complete checkpoint, or None. Under a process
+        group every rank must call it; all get rank 0's answer, so ranks
+        never disagree about whether and where to resume."""
+        return broadcast_from_rank0(layout.read_latest(self.dir), self.pg)
 
     def step_dir(self, step: int) -> Path:
         return self.dir / layout.step_dirname(step)
@@ -123,6 +158,7 @@ class CheckpointManager:
         background with ``cfg.async_save`` (then promoted when it finishes)."""
         self.wait()
         tmp = self.dir / (layout.step_dirname(step) + ".tmp")
+        self.dir.mkdir(parents=True, exist_ok=True)
         if self.is_rank0:
             layout.remove_stale_tmp(self.dir)
         barrier(self.pg)  # nobody writes into a directory rank 0 is clearing
@@ -136,8 +172,9 @@ class CheckpointManager:
                     dcp.save(dcp_state, storage_writer=writer, process_group=self.pg,
                              no_dist=not _distributed())
             except CheckpointException as e:  # a BaseException: make it an ordinary error
-                raise RuntimeError(f"saving checkpoint step {step} into {tmp} failed; "
-                                   f"{self.latest_step()} stays the latest: {e}") from None
+                raise RuntimeError(f"saving checkpoint step {step} into {tmp} failed "
+                                   f"({dcp_error_message(e)}); step "
+                                   f"{layout.read_latest(self.dir)} stays the latest") from None
             if self.is_rank0:
                 self._promote(tmp, step, meta)
             barrier(self.pg)
@@ -169,16 +206,13 @@ class CheckpointManager:
         raise if it failed. Call before exiting and before loading."""
         if self._pending is None:
             return
-        future, self._pending = self._pending, None
-        try:
-            future.result()
-        except BaseException:  # noqa: BLE001 - the callback records it
-            pass
-        self._finalized.wait()
+        self._pending = None
+        self._finalized.wait()  # set by the done-callback, whatever the outcome
         error, self._pending_error = self._pending_error, None
         barrier(self.pg)
         if error is not None:
-            raise RuntimeError(f"background checkpoint save failed: {error!r}") from error
+            raise RuntimeError(f"background checkpoint save failed ({dcp_error_message(error)}); "
+                               f"step {layout.read_latest(self.dir)} stays the latest") from None
 
     def close(self) -> None:
         self.wait()
@@ -234,9 +268,11 @@ class CheckpointManager:
         if dcp_state:
             try:
                 dcp_load(dcp_state, path, self.pg)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - name the checkpoint
-                raise RuntimeError(
-                    f"cannot load {path} into this run's state ({sorted(dcp_state)}): {e}") from e
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
+                raise UserInputError(
+                    f"cannot load {path} into this run's state ({', '.join(sorted(dcp_state))}): "
+                    f"{dcp_error_message(e)}. If the config changed, use a new run.dir or set "
+                    "checkpoint.resume=false") from None
         if per_rank:
             self._load_per_rank(path, per_rank)
         log.info("loaded checkpoint %s", path)
@@ -270,7 +306,8 @@ class CheckpointManager:
 
 
 def _read_rank_file(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    with open(path, "rb") as fh:
+        return safe_load(fh)
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

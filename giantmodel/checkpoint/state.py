@@ -16,15 +16,19 @@ writes it to one small file per rank instead.
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from giantmodel.models.registry import canonical_name
 
@@ -138,10 +142,12 @@ class OptimizerState:
             self._pairs = [(self.parts[0], optimizer)]
         else:
             self._pairs = [(_PartsView(self.parts), optimizer)]
+        # names added as aliases of tied parameters by the last state_dict()
+        self._aliases: list[set[str]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        self._aliases: list[set[str]] = []
+        self._aliases = []
         for module, optim in self._pairs:
             sd = get_optimizer_state_dict(module, optim, options=_OPTIM_OPTIONS)
             added: set[str] = set()
@@ -161,7 +167,7 @@ class OptimizerState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not hasattr(self, "_aliases"):
+        if self._aliases is None:
             self.state_dict()
         for (module, optim), added in zip(self._pairs, self._aliases):
             # torch picks which name of a shared parameter to read by which

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from giantmodel.checkpoint import layout
-from giantmodel.checkpoint.manager import dcp_load
+from giantmodel.checkpoint.manager import dcp_error_message, dcp_load
 from giantmodel.checkpoint.state import ModelState
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig
@@ -39,9 +39,9 @@ def load_model_weights(parts: nn.Module | list[nn.Module], path: str | os.PathLi
     step_dir = layout.resolve_checkpoint_dir(path)
     try:
         dcp_load({"model": ModelState(parts)}, step_dir, process_group)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - name the likely cause
-        raise UserInputError(f"{step_dir}: cannot load model weights ({e}); does the checkpoint "
-                             "come from a model with this config?") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
+        raise UserInputError(f"{step_dir}: cannot load model weights ({dcp_error_message(e)}); "
+                             "was the checkpoint saved by a model with this config?") from None
     return step_dir
 
 

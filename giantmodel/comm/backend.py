@@ -28,7 +28,7 @@ from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from giantmodel.comm import _lib
-from giantmodel.comm.config import BackendSettings
+from giantmodel.comm.config import BackendSettings, default_chunk_bytes
 from giantmodel.comm.engine import Engine
 from giantmodel.comm.hierarchical import HierarchicalAllReduce
 from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
@@ -73,10 +73,13 @@ class GiantProcessGroup(dist.ProcessGroup):
         self._shm: ShmGroup | None = None
         self._hier: HierarchicalAllReduce | None = None
         self._coalescing: list[dist.Work] | None = None
+        self._cpu_reduce = None
         self._store, self._timeout, self._generation = store, timeout, 0
         self._use_hier = self.topology.hierarchical
         if _lib.load() is not None and (self.topology.num_nodes == 1 or self.topology.hierarchical):
-            self._shm = self._make_shm(self._settings.chunk_bytes)
+            chunk = self._settings.chunk_bytes or default_chunk_bytes(
+                self.topology.local_size, os.cpu_count() or 1)
+            self._shm = self._make_shm(chunk)
             if self.topology.hierarchical:
                 self._hier = HierarchicalAllReduce(self._shm, store, self.topology, timeout)
         topo = self.topology
@@ -185,6 +188,8 @@ class GiantProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None, priority: int = 0):
         opts = opts if isinstance(opts, dist.AllreduceOptions) else _ar_opts(opts)
         op, scale = _op_and_scale(opts.reduceOp, self.size())
+        if self._cpu_reduce_ok(tensors, op):
+            return self._cuda_allreduce(tensors, opts, op, scale)
         if not self._fast(tensors, op, flat_only=not self._use_hier):
             return self._delegated(self._inner(tensors).allreduce(tensors, opts))
 
@@ -193,6 +198,32 @@ class GiantProcessGroup(dist.ProcessGroup):
                 self._allreduce_one(t, op, scale)
             return tensors
         return self._launch(job, opts, priority)
+
+    def _cpu_reduce_ok(self, tensors, op) -> bool:
+        return (self._settings.cuda_cpu_reduce and self._shm is not None and op is not None
+                and self.topology.num_nodes == 1 and bool(tensors)
+                and all(t.device.type == "cuda" and t.dtype in DTYPE_CODES
+                        and t.is_contiguous() for t in tensors))
+
+    def _cuda_allreduce(self, tensors, opts, op: int, scale: float) -> dist.Work:
+        """CPU-Reduce for CUDA tensors (see cuda_reduce.py); ordered with the
+        group's other shared-memory collectives by the same engine."""
+        from giantmodel.comm.cuda_reduce import CpuReduce
+
+        if self._cpu_reduce is None or self._cpu_reduce.shm is not self._shm:
+            self._cpu_reduce = CpuReduce(self._shm)
+        streams = [torch.cuda.current_stream(t.device) for t in tensors]
+        kind = getattr(opts.reduceOp, "op", opts.reduceOp)
+        premul = scale if kind == ReduceOp.RedOpType.PREMUL_SUM else None
+
+        def job():
+            for t, s in zip(tensors, streams):
+                if premul is not None:
+                    self._cpu_reduce.all_reduce(t, OP_SUM, 1.0, s, premul=premul)
+                else:
+                    self._cpu_reduce.all_reduce(t, op, scale, s)
+            return tensors
+        return self._launch(job, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         ar = dist.AllreduceOptions()

@@ -220,16 +220,21 @@ def main(args: argparse.Namespace) -> int:
             "seconds": args.seconds}
     env = {"GIANTMODEL_COMM_NODE_SIZE": str(args.node_size)} if args.node_size else {}
     mem = stream_bandwidth() if args.stream else {}
+    load_before = os.getloadavg()[0]
     rows: list[dict] = []
     for world in (int(r) for r in args.ranks.split(",")):
         rows += run_ranks(_bench_ranks, world, spec, timeout=args.timeout, env=env,
                           pg_timeout=args.timeout)[0]
     _add_ratios(rows, mem)
+    # Other work on the host skews every figure; the load average says how much.
+    load = {"before": load_before, "after": os.getloadavg()[0]}
     if args.json:
-        print(json.dumps({"memory_GBps": mem, "host_cpus": os.cpu_count(), "rows": rows},
-                         indent=1))
+        print(json.dumps({"memory_GBps": mem, "host_cpus": os.cpu_count(), "loadavg_1m": load,
+                          "rows": rows}, indent=1))
     else:
         print(format_table(rows, mem))
+        print(f"host: {os.cpu_count()} cpus, 1-min load average {load['before']:.1f} before, "
+              f"{load['after']:.1f} after")
     return 0
 
 

@@ -26,7 +26,8 @@ class CommConfig:
 
     chunk_kb: int = 0
     """Bytes (KiB) of each rank's shared-memory buffer; collectives are
-    pipelined in chunks of this size. 0 = the tuned value, else 1024."""
+    pipelined in chunks of this size. 0 = the tuned value, else 1024 (4096
+    when a host runs more ranks than it has cores)."""
 
     threads: int = 0
     """Threads per rank for shared-memory copies and reductions. 0 = the
@@ -101,7 +102,7 @@ class CommConfig:
 class BackendSettings:
     """What a giant process group reads at creation (from the environment)."""
 
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 0  # 0 = automatic, see default_chunk_bytes
     threads: int = 0
     hierarchical: str = "auto"
     node_size: int = 0
@@ -121,8 +122,15 @@ class BackendSettings:
         s.node_size = int(env.get(p + "NODE_SIZE", "0") or 0)
         s.priority = env.get(p + "PRIORITY", "0") in ("1", "true", "True")
         s.cuda_cpu_reduce = env.get(p + "CUDA_CPU_REDUCE", "0") in ("1", "true", "True")
-        if s.chunk_bytes % 4096 or s.hierarchical not in HIERARCHICAL or s.node_size < 0:
+        if s.chunk_bytes < 0 or s.chunk_bytes % 4096 or s.hierarchical not in HIERARCHICAL or s.node_size < 0:
             raise ConfigError(f"bad {p}* environment: chunk {s.chunk_bytes} B (multiple of "
                               f"4096), hierarchical {s.hierarchical!r}, node size "
                               f"{s.node_size}", key="comm")
         return s
+
+
+def default_chunk_bytes(local_ranks: int, cpus: int) -> int:
+    """1 MiB chunks fit in L2 and pipeline well while every rank has a core;
+    with more ranks than cores each chunk boundary is a meeting point that
+    waits for descheduled ranks, so fewer, larger chunks (4 MiB) win."""
+    return (4 << 20) if local_ranks > max(1, cpus) else (1 << 20)

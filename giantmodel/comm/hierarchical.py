@@ -25,7 +25,14 @@ _GLOO_OPS = {OP_SUM: dist.ReduceOp.SUM, OP_MAX: dist.ReduceOp.MAX, OP_MIN: dist.
 
 
 class HierarchicalAllReduce:
-    """Runs all-reduce over (shared memory within nodes) x (gloo across nodes)."""
+    """Runs all-reduce over (shared memory within nodes) x (gloo across nodes).
+
+    The tensor is cut into pieces so the legs overlap: while gloo carries
+    piece k between nodes (on its own threads), this rank already
+    reduce-scatters piece k+1 in shared memory.
+    """
+
+    PIECE_BYTES = 8 << 20
 
     def __init__(self, shm: ShmGroup, store, topo: Topology, timeout: timedelta):
         self.shm = shm
@@ -34,21 +41,43 @@ class HierarchicalAllReduce:
         self.cross = dist.ProcessGroupGloo(
             dist.PrefixStore(f"cross/{topo.local_rank}/", store), topo.node_index,
             topo.num_nodes, timeout)
+        self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def _buffer(self, dtype: torch.dtype, n: int, slot: int) -> torch.Tensor:
+        """Reused scratch: fresh large allocations would page-fault on every call."""
+        key = (dtype, slot)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype)
+            self._scratch[key] = buf
+        return buf[:n]
 
     def all_reduce(self, flat: torch.Tensor, op: int, scale: float) -> None:
         """In place on a contiguous 1-D tensor; OP_AVG multiplies the sum by scale."""
         L = self.local_size
         n = flat.numel()
-        per = -(-n // L)
-        padded = flat if per * L == n else torch.cat([flat, flat.new_zeros(per * L - n)])
-        part = torch.empty(per, dtype=flat.dtype)
+        pieces = max(1, min(16, n * flat.element_size() // self.PIECE_BYTES))
+        per_piece = -(-n // (L * pieces)) * L  # elements per piece, a multiple of L
+        total = per_piece * pieces
+        if total == n:
+            padded = flat
+        else:
+            padded = self._buffer(flat.dtype, total, 0)
+            padded[:n].copy_(flat)
+            padded[n:].zero_()
+        parts = self._buffer(flat.dtype, total // L, 1).view(pieces, per_piece // L)
         inner_op = OP_SUM if op == OP_AVG else op
-        self.shm.reduce_scatter_scaled(padded, part, inner_op, 1.0)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS[inner_op]
-        self.cross.allreduce([part], opts).wait()
-        if op == OP_AVG:
-            part.mul_(scale)
-        self.shm.all_gather(part, padded)
+        chunks = padded.view(pieces, per_piece)
+        works = []
+        for k in range(pieces):
+            self.shm.reduce_scatter_scaled(chunks[k], parts[k], inner_op, 1.0)
+            works.append(self.cross.allreduce([parts[k]], opts))
+        for k in range(pieces):
+            works[k].wait()
+            if op == OP_AVG:
+                parts[k].mul_(scale)
+            self.shm.all_gather(parts[k], chunks[k])
         if padded is not flat:
             flat.copy_(padded[:n])

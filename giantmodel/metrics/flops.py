@@ -10,7 +10,6 @@ counted: MFU measures useful model work, not hardware work.
 from __future__ import annotations
 
 import os
-import time
 from functools import lru_cache
 
 import torch
@@ -34,24 +33,52 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     return 6.0 * n + 12.0 * L * H * Q * seq_len
 
 
+def _cpuinfo() -> tuple[set[str], str, float]:
+    flags: set[str] = set()
+    vendor, mhz = "", 0.0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags" and not flags:
+                    flags = set(value.split())
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "cpu MHz" and not mhz:
+                    mhz = float(value)
+    except OSError:
+        pass
+    try:  # the rated maximum beats the momentary clock when the kernel exposes it
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
+            mhz = int(f.read()) / 1000.0
+    except (OSError, ValueError):
+        pass
+    return flags, vendor, mhz
+
+
 @lru_cache(maxsize=None)
-def _measured_cpu_peak(dtype: torch.dtype) -> float:
-    """Achievable matmul FLOP/s of this CPU (all torch threads), measured once."""
-    n = 1024
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.25:
-        a @ b
-        reps += 1
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
+def cpu_peak_flops() -> float:
+    """Theoretical fp32 FLOP/s of this host: cores x clock x FLOPs per cycle.
+
+    FLOPs per cycle from the vector ISA: two 512-bit FMA pipes on Intel
+    AVX-512 parts (64), two 256-bit FMA pipes on AVX2+FMA parts and on AMD
+    Zen 4, which runs AVX-512 on 256-bit units (32), SSE otherwise (16)."""
+    flags, vendor, mhz = _cpuinfo()
+    if "avx512f" in flags and vendor == "GenuineIntel":
+        per_cycle = 64
+    elif "avx2" in flags and "fma" in flags:
+        per_cycle = 32
+    else:
+        per_cycle = 16
+    return (os.cpu_count() or 1) * (mhz or 2000.0) * 1e6 * per_cycle
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
     """Peak FLOP/s of one device, for MFU. ``GIANTMODEL_PEAK_TFLOPS`` overrides.
 
-    On CPUs there is no datasheet figure to trust, so the peak is the measured
-    rate of a large fp32 matmul: MFU there reads as "share of achievable"."""
+    On CPUs the host's theoretical fp32 peak (:func:`cpu_peak_flops`) is split
+    evenly among the ranks on the host."""
     override = os.environ.get("GIANTMODEL_PEAK_TFLOPS")
     if override:
         return float(override) * 1e12
@@ -61,4 +88,5 @@ def peak_flops(device: torch.device, precision: str) -> float:
             if key in name:
                 return peaks[precision] * 1e12
         return 0.0
-    return _measured_cpu_peak(torch.float32)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return cpu_peak_flops() / max(1, local_ranks)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -247,7 +247,7 @@ def iter_hf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor
         if kind == "safetensors":
             from safetensors import safe_open
             with safe_open(str(f), framework="pt") as handle:
-                for key in handle.keys():
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                     yield key, handle.get_tensor(key)
         else:
             try:

@@ -43,6 +43,21 @@ def unique_params(parts: list[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
+@torch.no_grad()
+def align_grad_placements(parts: list[nn.Module]) -> None:
+    """Give every DTensor gradient its parameter's placements.
+
+    Under sequence parallelism a replicated norm weight comes back from
+    backward with a ``Partial`` gradient (each tp rank saw part of the
+    sequence), and the vocab-parallel embedding with a ``Replicate`` one;
+    this all-reduces the former over tp and slices the latter, so clipping,
+    the optimizer and data-parallel reduction all see true local shards."""
+    for p in unique_params(parts):
+        g = p.grad
+        if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 def make_buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Group tensor indices into runs of at most ``bucket_bytes`` (one tensor
     larger than that gets a bucket of its own), same dtype per bucket."""
@@ -108,20 +123,19 @@ class DataParallel:
         """zero 0/1: sum gradients over dp x cp. FSDP2 reduces in its own hooks."""
         if self.uses_fsdp:
             return
+        align_grad_placements(parts)
         grads = [local_tensor(p.grad) for p in unique_params(parts) if p.grad is not None]
         all_reduce_bucketed_(grads, self.group, self.bucket_bytes)
 
     def build_optimizer(self, parts: list[nn.Module], optim_cfg, device_type: str):
-        from giantmodel.train.optim import build_adamw
-
         if self.zero != 1:
-            return build_adamw(parts, optim_cfg, device_type)
+            return build_sharded_adamw(parts, optim_cfg, device_type)
         params = unique_params(parts)
         owners = assign_owners(params, self.mesh.size())
         me = self.mesh.get_local_rank()
         self._owners = list(zip(params, owners))
         self.owned = [p for p, o in self._owners if o == me]
-        return build_adamw([_ParamList(self.owned)], optim_cfg, device_type)
+        return build_sharded_adamw([_ParamList(self.owned)], optim_cfg, device_type)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -138,6 +152,28 @@ class DataParallel:
                 for t in members:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
+
+
+def build_sharded_adamw(parts: list[nn.Module], cfg, device_type: str) -> torch.optim.Optimizer:
+    """AdamW as ``giantmodel.train.optim.build_adamw`` builds it, with each
+    param group split by tensor kind: multi-tensor kernels cannot mix plain
+    tensors (e.g. unsharded norm weights under tp) with DTensors, nor
+    DTensors on different meshes. DCP keys optimizer state by parameter name,
+    so the extra groups do not affect checkpoints."""
+    from giantmodel.train.optim import param_groups
+
+    groups = []
+    for group in param_groups(parts, cfg.weight_decay):
+        by_kind: dict = {}
+        for p in group["params"]:
+            key = (id(p.device_mesh), tuple(map(str, p.placements))) if hasattr(p, "placements") else None
+            by_kind.setdefault(key, []).append(p)
+        groups += [{**group, "params": ps} for ps in by_kind.values()]
+    impl = cfg.impl
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
 class _ParamList(nn.Module):
@@ -176,7 +212,10 @@ def apply_fsdp(model: nn.Module, dims, cfg) -> None:
     fully_shard(model, **kw)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
+            # Plain SUM collectives: the loss is already scaled by 1/tokens,
+            # and gloo has neither AVG nor PREMUL_SUM.
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def fsdp_mesh(dims):

@@ -24,11 +24,10 @@ def replication(t: torch.Tensor, dims) -> int:
     per_stage = dims.world_size // dims.pp
     if not hasattr(t, "placements"):
         return per_stage
-    from torch.distributed.tensor import Shard
-
     sharded = 1
     for size, placement in zip(t.device_mesh.shape, t.placements):
-        if isinstance(placement, Shard):
+        # Shard and FSDP2's _StridedShard (which is not a Shard subclass).
+        if not placement.is_replicate() and not placement.is_partial():
             sharded *= size
     return per_stage // sharded
 

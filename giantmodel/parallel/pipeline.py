@@ -113,13 +113,18 @@ class PipelineEngine(SPMDEngine):
             return self._schedule
         from torch.distributed.pipelining import PipelineStage
 
-        stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group)
+        stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group,
+                                get_mesh=self._mesh_by_names)
                   for part, sid in zip(self.parts, self.stage_ids)]
         cls = _schedule_class(self.schedule_name)
         # scale_grads=False: the loss is already divided by the global token count.
         self._schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro,
                              loss_fn=self._stage_loss, scale_grads=False)
         return self._schedule
+
+    def _mesh_by_names(self, names: tuple[str, ...], layout=None):
+        """Sub-mesh for a DTensor activation the pipeline received from a peer."""
+        return self.dims.mesh[names[0] if len(names) == 1 else names]
 
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The schedule calls this on the last stage once per micro-batch (and
@@ -195,7 +200,8 @@ class PipelineEngine(SPMDEngine):
             if sid == 0:
                 h = ids
             elif stage_owner(sid - 1, pp, name) != self.pp_rank:
-                h = recv_activation(self._peer(sid - 1), self.pp_group, self.device)
+                h = recv_activation(self._peer(sid - 1), self.pp_group, self.device,
+                                    self._mesh_by_names)
             with precision.autocast():
                 h = by_stage[sid](h, positions)
             if sid == self.num_stages - 1:
@@ -215,20 +221,39 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 
 def send_activation(t: torch.Tensor, dst: int, group) -> None:
-    """Send a tensor of any shape (up to 6-D) and dtype: a header, then the data."""
+    """Send a tensor of any shape (up to 5-D) and dtype: a header, then the
+    data. A DTensor (a tensor-parallel activation) goes as its local shard
+    plus its layout, which is small and only sent on the eval path."""
+    is_dt = hasattr(t, "to_local")
+    local = t.to_local() if is_dt else t
     header = torch.zeros(8, dtype=torch.int64)
-    header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
-    header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    dist.send(header.to(t.device), dst=dst, group=group)
-    dist.send(t.contiguous(), dst=dst, group=group)
+    header[0], header[1], header[2] = local.dim(), _DTYPES.index(local.dtype), int(is_dt)
+    header[3:3 + local.dim()] = torch.tensor(local.shape, dtype=torch.int64)
+    dist.send(header.to(local.device), dst=dst, group=group)
+    if is_dt:
+        layout = (t.device_mesh.mesh_dim_names, tuple(t.placements), tuple(t.shape), t.stride())
+        dist.send_object_list([layout], dst=dst, group=group, device=local.device)
+    dist.send(local.contiguous(), dst=dst, group=group)
 
 
-def recv_activation(src: int, group, device: torch.device) -> torch.Tensor:
-    """Receive what :func:`send_activation` sent from global rank ``src``."""
+def recv_activation(src: int, group, device: torch.device, mesh_by_names) -> torch.Tensor:
+    """Receive what :func:`send_activation` sent from global rank ``src``;
+    ``mesh_by_names(names)`` resolves a DTensor's mesh."""
     header = torch.zeros(8, dtype=torch.int64, device=device)
     dist.recv(header, src=src, group=group)
     header = header.cpu()
-    shape = tuple(int(x) for x in header[2:2 + int(header[0])])
+    shape = tuple(int(x) for x in header[3:3 + int(header[0])])
+    layout = None
+    if int(header[2]):
+        box: list = [None]
+        dist.recv_object_list(box, src=src, group=group, device=device)
+        layout = box[0]
     out = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
     dist.recv(out, src=src, group=group)
-    return out
+    if layout is None:
+        return out
+    from torch.distributed.tensor import DTensor
+
+    names, placements, global_shape, stride = layout
+    return DTensor.from_local(out, mesh_by_names(names), placements, run_check=False,
+                              shape=torch.Size(global_shape), stride=stride)

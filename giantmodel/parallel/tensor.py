@@ -19,27 +19,30 @@ from __future__ import annotations
 from torch import nn
 
 
-def _block_plan(sp: bool) -> dict:
+def _block_plan(sp: bool, rope: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
 
+    # Under sp the residual stream stays a DTensor (global shape), so the
+    # model still sees the full sequence length when it indexes RoPE.
     residual = Shard(1) if sp else Replicate()
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "attention.wo": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
         "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
     }
     if sp:
         plan.update({
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            # attention(x, rope): gather x along the sequence, leave rope alone.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
+            # attention(x[, rope]): gather x along the sequence, leave rope alone.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None) if rope else (Shard(1),),
+                desired_input_layouts=(Replicate(), None) if rope else (Replicate(),)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Replicate(),)),
         })
@@ -56,7 +59,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                                use_local_output=not sp)
     if getattr(model, "pos_embeddings", None) is not None and sp:
         # Learned positions stay replicated; as a DTensor they add onto the
         # sequence-sharded token embeddings by local slicing (no collective).
@@ -70,7 +74,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan = _block_plan(sp)
+        plan = _block_plan(sp, rope=getattr(model, "uses_rope", True))
         if hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)

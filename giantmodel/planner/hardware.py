@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -46,8 +46,11 @@ class HardwareProfile:
     """GPU <-> host copy bandwidth per GPU (activation/optimizer offload), bytes/s."""
     gpus_per_node: int = 8
     """Default GPUs per node for this machine type."""
-    matmul_efficiency: float = 0.72
+    matmul_efficiency: float = 0.68
     """Share of peak FLOP/s that large GEMMs reach (cuBLAS, well-shaped, bf16)."""
+    matmul_knee: float = 512.0
+    """GEMM size (smallest of m, k, n) at which matmuls reach half of ``matmul_efficiency``'s
+    rate; small shapes fill fewer tensor-core tiles and waves."""
     attention_efficiency: float = 0.55
     """Share of peak FLOP/s that fused (flash) attention reaches, forward; backward is a bit lower."""
     memory_efficiency: float = 0.80
@@ -113,6 +116,7 @@ def cpu_profile() -> HardwareProfile:
         name="cpu", peak_flops={"fp32": flops, "bf16": flops / 2, "fp16": flops / 4},
         memory_bytes=float(mem), memory_bw=20 * GB, intra_link="shm", intra_bw=3 * GB,
         inter_bw=1.25 * GB, host_bw=20 * GB, gpus_per_node=1, matmul_efficiency=0.6,
+        matmul_knee=32.0,
         attention_efficiency=0.3, memory_efficiency=0.7, link_efficiency=0.5,
         latency_s=50e-6, reserved_bytes=0.5 * GIB, host_memory_bytes=float(mem))
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.parallel.pipeline_split import (layers_per_stage, stage_ids_for_rank,
-                                                validate_pipeline)
+from giantmodel.parallel.pipeline_split import layers_per_stage, stage_ids_for_rank, validate_pipeline
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,13 @@ class LiveStorageCounter(TorchDispatchMode):
     def _note(self, t, created: bool) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
+        # Tensor subclasses (DTensor, functional-collective results) wrap a
+        # plain local tensor that owns the storage.
+        for attr in ("_local_tensor", "elem"):
+            inner = getattr(t, attr, None)
+            if isinstance(inner, torch.Tensor):
+                self._note(inner, created)
+                return
         st = t.untyped_storage()
         key = st.data_ptr()
         if not key:

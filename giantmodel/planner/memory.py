@@ -1,8 +1,9 @@
 """Memory model, per rank: model states, activations, buffers.
 
 Model states are counted from the model built on the meta device, parameter by
-parameter, with the exact tensor-parallel and ZeRO (dim-0, FSDP2-style) shard
-shapes, so they match what the parallel engine allocates byte for byte.
+parameter, with the exact tensor-parallel shard shapes, FSDP2's dim-0 shards
+(zero 2/3) and giantmodel.parallel.data's whole-parameter ownership (zero 1),
+so they match what the parallel engine allocates byte for byte.
 
 Activations are the tensors autograd keeps for backward in *this project's*
 blocks (giantmodel.models.common), listed one by one in ``layer_terms``. Under
@@ -63,7 +64,7 @@ def _tp_dim(name: str) -> int | None:
     biases replicated), vocab-parallel embedding and head; norms and learned
     positions replicated."""
     leaf = name.rsplit(".", 2)
-    if name.startswith("tok_embeddings") or name.startswith("output"):
+    if name.startswith(("tok_embeddings", "output")):
         return 0
     if len(leaf) >= 2 and leaf[-2] in ("wq", "wk", "wv", "w1", "w3"):
         return 0
@@ -161,6 +162,20 @@ def shard_numel(shape: tuple[int, ...], degree: int, rank: int = 0) -> int:
     return mine * math.prod(shape[1:])
 
 
+def owner_numel(shapes: list[tuple[int, ...]], degree: int, rank: int = 0) -> int:
+    """Elements whose optimizer state ``rank`` keeps under this project's
+    ZeRO-1: whole parameters, largest first, each to the least-loaded rank
+    (ties to the lower index), as giantmodel.parallel.data assigns them."""
+    if degree == 1:
+        return sum(math.prod(s) for s in shapes)
+    sizes = [math.prod(s) for s in shapes]
+    load = [0] * degree
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(degree), key=lambda k: (load[k], k))
+        load[r] += sizes[i]
+    return load[rank]
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes per element of each model state for a precision style."""
@@ -170,7 +185,7 @@ class StateBytes:
     optim: int
 
     @staticmethod
-    def for_style(style: str) -> "StateBytes":
+    def for_style(style: str) -> StateBytes:
         # autocast (this project): fp32 params used directly under autocast,
         # fp32 grads, Adam m and v in fp32.  mixed (Megatron/DeepSpeed, the ZeRO
         # paper): fp16 params and grads, fp32 master + m + v in the optimizer.
@@ -185,16 +200,26 @@ class StateBytes:
 
 def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: int,
                       style: str = "autocast", rank: int = 0,
-                      offload_optimizer: bool = False) -> dict[str, int]:
+                      offload_optimizer: bool = False, zero1: str = "owner") -> dict[str, int]:
     """Params, grads and optimizer states on one rank, by ZeRO stage:
-    1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    1 shards optimizer states, 2 also gradients, 3 also parameters.
+
+    ``zero1="owner"`` counts ZeRO-1 the way this project shards it (whole
+    parameters per rank); ``"even"`` is the ZeRO paper's even split. In this
+    project zero 2 is FSDP2 without resharding after forward, so the
+    persistent parameters are sharded too (the gathered copy that lives from
+    forward to backward is counted as working weights); the paper's (and
+    DeepSpeed's) stage 2 keeps full parameters, which style "mixed" follows."""
     b = StateBytes.for_style(style)
     full = sum(math.prod(s) for s in shapes)
     shard = sum(shard_numel(s, shard_degree, rank) for s in shapes) if zero else full
+    opt = shard
+    if zero == 1 and zero1 == "owner":
+        opt = owner_numel(shapes, shard_degree, rank)
     return {
-        "params": b.param * (shard if zero >= 3 else full),
+        "params": b.param * (shard if zero >= (3 if style == "mixed" else 2) else full),
         "grads": b.grad * (shard if zero >= 2 else full),
-        "optimizer": 0 if offload_optimizer else b.optim * (shard if zero >= 1 else full),
+        "optimizer": 0 if offload_optimizer else b.optim * (opt if zero >= 1 else full),
     }
 
 
@@ -220,8 +245,9 @@ def layer_terms(m, precision: str) -> list[Term]:
     q, kv, n = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head, m.num_heads
     terms = []
     if m.arch == "llama":
-        norm = lambda p: [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
-                          Term(f"{p}.rstd", 4, "seq")]
+        def norm(p):  # RMSNorm: fp32 input, x * rstd, rstd
+            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
+                    Term(f"{p}.rstd", 4, "seq")]
         terms += norm("attention_norm")
         terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
                   Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
@@ -235,7 +261,8 @@ def layer_terms(m, precision: str) -> list[Term]:
                   Term("feed_forward.silu", c * f, "tp"),
                   Term("feed_forward.w2_input", c * f, "tp")]
     else:
-        norm = lambda p: [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.stats", 8, "seq")]
+        def norm(p):  # LayerNorm: fp32 input, mean and rstd
+            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.stats", 8, "seq")]
         terms += norm("attention_norm")
         terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
                   Term("attention.q", c * q, "tp"), Term("attention.k", c * kv, "tp", kv=True),
@@ -284,10 +311,20 @@ def _term_bytes(t: Term, tokens: float, tp: int, sp: bool, cp: int) -> float:
     return tokens * t.bytes_per_token / div * (cp if t.kv else 1)
 
 
+_ACTS: dict[tuple, dict[str, float]] = {}
+
+
 def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_len: int,
                            tp: int = 1, sp: bool = False, cp: int = 1) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch, by tensor name.
     ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens."""
+    key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp)
+    if key not in _ACTS:
+        _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp)
+    return dict(_ACTS[key])
+
+
+def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp):
     tokens = micro_batch * seq_len / cp
     terms = layer_terms(m, precision)
     if mode == "full":
@@ -389,19 +426,36 @@ class MemoryReport:
         return self.required_bytes_per_rank <= self.capacity
 
 
+_STATES: dict[tuple, tuple[dict[str, int], int]] = {}
+
+
+def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
+                 style: str) -> tuple[dict[str, int], int]:
+    """Model-state bytes and unsharded local parameter count of one pipeline
+    rank (cached: they do not depend on batch shape or recompute)."""
+    ns = layout.num_stages
+    shard_degree = layout.dp_shard * layout.cp
+    key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
+           layout.zero, shard_degree, style, layout.offload_optimizer)
+    if key not in _STATES:
+        shapes: list[tuple[int, ...]] = []
+        for s in stages:
+            shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
+        states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
+                                   layout.offload_optimizer)
+        _STATES[key] = (states, sum(math.prod(s) for s in shapes))
+    states, full = _STATES[key]
+    return dict(states), full
+
+
 def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                 prefetch_layers: int = 1) -> RankMemory:
     table = param_table(m)
     stages = layout.rank_stages(pp_rank)
     ns = layout.num_stages
-    shapes: list[tuple[int, ...]] = []
-    for s in stages:
-        shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
-    shard_degree = layout.dp_shard * layout.cp
-    comp: dict[str, float] = dict(model_state_bytes(
-        shapes, layout.zero, shard_degree, style, 0, layout.offload_optimizer))
+    states, local_full = _rank_states(m, table, layout, tuple(stages), style)
+    comp: dict[str, float] = dict(states)
     c = DTYPE_BYTES[layout.precision]
-    local_full = sum(math.prod(s) for s in shapes)
     layer_local = table.layer_numel(layout.tp)
     n_layers = sum(layout.stage_layers[st] for st in stages)
     # Working weights: autocast keeps a low-precision copy of each linear

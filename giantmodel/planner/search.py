@@ -1,0 +1,207 @@
+"""Layout search: enumerate, drop what does not fit, rank by throughput.
+
+For each (tp, cp, pp, virtual stages, dp, zero, hybrid group, micro-batch,
+sequence parallelism) the search tries recompute none, then selective, then
+full, and keeps the first that fits: the least recompute that fits. Only if
+none fits does it try activation offload, then optimizer offload (searched
+only when the config has an ``offload.optimizer`` key to write it to).
+Candidates are checked with the trainer's own layout validation before they
+are reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+
+from giantmodel.config.errors import ConfigError
+from giantmodel.parallel.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
+from giantmodel.planner.layout import Cluster, Layout, resolve_layout
+from giantmodel.planner.memory import MemoryReport, memory_report
+from giantmodel.planner.perf import PerfOptions, PerfReport, estimate_time
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryReport
+    perf: PerfReport
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_options(m, cluster: Cluster) -> list[int]:
+    out = []
+    for t in _divisors(cluster.gpus_per_node):
+        if all(v % t == 0 for v in (m.num_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size)):
+            out.append(t)
+    return out
+
+
+_SPLITS: dict[tuple, tuple[int, ...]] = {}
+
+
+def _split(m, seq_len: int, stages: int) -> tuple[int, ...]:
+    key = (m.num_layers, m.hidden_size, m.vocab_size, seq_len, stages)
+    if key not in _SPLITS:
+        if stages == 1:
+            _SPLITS[key] = (m.num_layers,)
+        else:
+            _SPLITS[key] = tuple(balanced_split(m.num_layers, stages, layer_cost(m, seq_len),
+                                                embedding_cost(m), head_cost(m)))
+    return _SPLITS[key]
+
+
+def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
+                      offload_activations: bool = False):
+    """Every structurally valid layout of ``cfg``'s model and batch on ``cluster``."""
+    m, t = cfg.model, cfg.train
+    world, gbs, seq = cluster.world, t.global_batch_size, t.seq_len
+    cps = [c for c in (1, 2, 4, 8) if seq % (2 * c) == 0 and (c == 1 or seq >= 4096)]
+    for tp in _tp_options(m, cluster):
+        for cp in cps:
+            if world % (tp * cp):
+                continue
+            for pp in _divisors(world // (tp * cp)):
+                if pp > m.num_layers or (pp > 1 and m.tie_embeddings):
+                    continue
+                dp = world // (tp * cp * pp)
+                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + [
+                    ("interleaved_1f1b", v) for v in (2, 4) if m.num_layers >= pp * v]
+                for mb in (1, 2, 4, 8, 16):
+                    if gbs % (mb * dp):
+                        continue
+                    n_micro = gbs // (mb * dp)
+                    if pp > 1 and n_micro < pp:
+                        continue
+                    for sched, v in scheds:
+                        if v > 1 and n_micro % pp:
+                            continue
+                        split = _split(m, seq, pp * v)
+                        for zero in (0, 1, 2, 3):
+                            if zero and dp * cp == 1:
+                                continue
+                            groups = [dp]
+                            hs = cluster.gpus_per_node // (tp * cp)
+                            if zero >= 2 and hs > 1 and dp > hs and dp % hs == 0:
+                                groups.append(hs)
+                            for shard in groups if zero else [1]:
+                                for sp in ((False, True) if tp > 1 else (False,)):
+                                    yield Layout(
+                                        tp=tp, pp=pp, dp=dp, dp_shard=shard, cp=cp, sp=sp,
+                                        zero=zero, virtual=v, schedule=sched, micro_batch=mb,
+                                        n_micro=n_micro, seq_len=seq, precision=cfg.precision,
+                                        recompute=recompute,
+                                        offload_activations=offload_activations,
+                                        offload_optimizer=False, stage_layers=split,
+                                        bucket_mb=cfg.parallel.bucket_mb)
+
+
+def least_recompute_that_fits(m, layout: Layout, hw, optimizer_offload: bool = False
+                              ) -> tuple[Layout, MemoryReport] | None:
+    """The layout with the least recompute that fits; then, as last resorts,
+    activation offload and (when the config can express it) optimizer offload."""
+    for mode in RECOMPUTE_ORDER:
+        cand = replace(layout, recompute=mode)
+        mem = memory_report(m, cand, hw)
+        if mem.fits:
+            return cand, mem
+    fallbacks = [replace(layout, recompute="full", offload_activations=True)]
+    if optimizer_offload:
+        fallbacks.append(replace(layout, recompute="full", offload_optimizer=True))
+        fallbacks.append(replace(layout, recompute="full", offload_activations=True,
+                                 offload_optimizer=True))
+    for cand in fallbacks:
+        mem = memory_report(m, cand, hw)
+        if mem.fits:
+            return cand, mem
+    return None
+
+
+def search(cfg, hw, cluster: Cluster, opts: PerfOptions | None = None,
+           time_budget_s: float = 30.0) -> list[Candidate]:
+    """All fitting layouts, best predicted throughput first. Ties go to the
+    simpler layout (no sequence parallelism, lower ZeRO stage, fewer stages)."""
+    m = cfg.model
+    found: list[Candidate] = []
+    start = time.monotonic()
+    # Optimizer offload is only searched when the config has a key for it,
+    # so that every reported layout can be written as a runnable YAML.
+    opt_offload = hasattr(cfg.offload, "optimizer")
+    for layout in enumerate_layouts(cfg, cluster):
+        if time.monotonic() - start > time_budget_s:
+            break
+        res = least_recompute_that_fits(m, layout, hw, opt_offload)
+        if res is None:
+            continue
+        cand, mem = res
+        perf = estimate_time(m, cand, hw, cluster, cfg.train.global_batch_size, opts)
+        found.append(Candidate(cand, mem, perf))
+    found.sort(key=lambda c: (-round(c.perf.tokens_per_sec, 6), c.layout.sp, c.layout.zero,
+                              c.layout.pp, c.layout.virtual))
+    return found
+
+
+def apply_layout(cfg, layout: Layout):
+    """A copy of ``cfg`` that runs ``layout`` (what ``giantmodel train`` reads)."""
+    out = copy.deepcopy(cfg)
+    p = out.parallel
+    p.tp, p.pp, p.cp, p.sp, p.zero = layout.tp, layout.pp, layout.cp, layout.sp, layout.zero
+    p.dp = layout.dp
+    p.pp_virtual = layout.virtual
+    p.pp_schedule = layout.schedule
+    p.pp_layers = None
+    p.pp_microbatches = None
+    p.shard_group_size = layout.dp_shard if (layout.zero and layout.dp_shard < layout.dp) else None
+    out.train.micro_batch_size = layout.micro_batch
+    out.recompute = layout.recompute
+    out.offload.activations = layout.offload_activations
+    if hasattr(out.offload, "optimizer"):
+        out.offload.optimizer = layout.offload_optimizer
+    return out
+
+
+def verified(cfg, cands: list[Candidate], cluster: Cluster, k: int) -> list[Candidate]:
+    """The first ``k`` candidates the trainer's validation accepts."""
+    out = []
+    for c in cands:
+        try:
+            resolve_layout(apply_layout(cfg, c.layout), cluster)
+        except ConfigError:
+            continue
+        out.append(c)
+        if len(out) == k:
+            break
+    return out
+
+
+def smallest_fitting_cluster(cfg, hw, gpus_per_node: int, max_nodes: int = 4096) -> Cluster | None:
+    """The fewest nodes (powers of two) on which some layout fits, ignoring
+    whether the global batch divides: the memory-frugal corner of the space
+    (zero 3, full recompute, activation offload, micro-batch 1)."""
+    m = cfg.model
+    nodes = 1
+    while nodes <= max_nodes:
+        cluster = Cluster(nodes, gpus_per_node)
+        world = cluster.world
+        for tp in reversed(_tp_options(m, cluster)):
+            for pp in _divisors(world // tp):
+                if pp > m.num_layers:
+                    continue
+                dp = world // (tp * pp)
+                layout = Layout(tp=tp, pp=pp, dp=dp, dp_shard=dp, cp=1, sp=tp > 1,
+                                zero=3 if dp > 1 else 0, virtual=1, schedule="1f1b",
+                                micro_batch=1, n_micro=pp, seq_len=cfg.train.seq_len,
+                                precision=cfg.precision, recompute="full",
+                                offload_activations=True, offload_optimizer=False,
+                                stage_layers=_split(m, cfg.train.seq_len, pp),
+                                bucket_mb=cfg.parallel.bucket_mb)
+                if memory_report(m, layout, hw).fits:
+                    return cluster
+        nodes *= 2
+    return None

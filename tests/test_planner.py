@@ -1,0 +1,195 @@
+"""Planner: profiles, CLI entry points, search, errors, pipeline report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+import yaml
+
+from giantmodel.config.errors import ConfigError
+from giantmodel.planner import commands
+from giantmodel.planner.hardware import BUILTIN, get_profile
+from giantmodel.planner.layout import Cluster
+from giantmodel.planner.memory import memory_report
+from giantmodel.planner.perf import collective_time
+
+LLAMA_13B = ["model.arch=llama", "model.name=llama-13b", "model.hidden_size=5120",
+             "model.num_layers=40", "model.num_heads=40", "model.num_kv_heads=40",
+             "model.ffn_hidden_size=13824", "model.vocab_size=32000", "model.max_seq_len=2048",
+             "train.seq_len=2048", "train.global_batch_size=512", "train.micro_batch_size=1",
+             "precision=bf16"]
+
+
+def _args(kind: str, argv: list[str]):
+    p = argparse.ArgumentParser()
+    (commands.add_plan_arguments if kind == "plan" else commands.add_estimate_arguments)(p)
+    return p.parse_args(argv)
+
+
+def test_builtin_profiles_and_user_yaml(tmp_path):
+    for name in ("h100-sxm", "h100-pcie", "h200", "a100-80g", "a100-40g", "a800", "v100-32g",
+                 "v100-16g"):
+        assert name in BUILTIN
+    assert get_profile("cpu").memory_bytes > 0
+    f = tmp_path / "hw.yaml"
+    f.write_text(yaml.safe_dump({"mygpu": {
+        "peak_flops": {"fp32": 1e13, "bf16": 1e14, "fp16": 1e14}, "memory_bytes": 24e9,
+        "memory_bw": 1e12, "intra_link": "pcie4", "intra_bw": 25e9, "inter_bw": 12.5e9}}))
+    assert get_profile("mygpu", f).memory_bytes == 24e9
+    with pytest.raises(ConfigError, match="valid names: .*a100-80g"):
+        get_profile("a100-81g")
+    f.write_text(yaml.safe_dump({"bad": {"peak_flop": {}}}))
+    with pytest.raises(ConfigError, match="did you mean 'peak_flops'"):
+        get_profile("bad", f)
+
+
+def test_hierarchical_all_reduce_is_bounded_by_the_network():
+    hw = get_profile("a100-80g")
+    size = 1e9
+    one_node = collective_time(hw, Cluster(1, 8), "all_reduce", size, 8, 1)
+    two_nodes = collective_time(hw, Cluster(2, 8), "all_reduce", size, 16, 1)
+    # inside a node NVLink dominates; across nodes each GPU moves 1/8 of the
+    # data over its own NIC, 12x slower than NVLink
+    assert one_node == pytest.approx(2 * 7 / 8 * size / (300e9 * 0.8) + 14 * 10e-6, rel=1e-6)
+    assert two_nodes > one_node
+    assert two_nodes < one_node + 2 * size / 8 / (25e9 * 0.8)
+
+
+def test_estimate_json_keys(capsys):
+    rc = commands.run_estimate(_args("estimate", ["--gpu", "a100-80g", "--nodes", "1",
+                                                  "--gpus-per-node", "8", "--json",
+                                                  "parallel.tp=2", "parallel.pp=2",
+                                                  "train.global_batch_size=32",
+                                                  "train.micro_batch_size=2", *LLAMA_13B[:9]]))
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    for path in ("memory.peak_bytes_per_rank", "memory.breakdown", "time.step_s",
+                 "throughput.tokens_per_sec", "throughput.tflops_per_gpu", "throughput.mfu"):
+        a, b = path.split(".")
+        assert b in d[a], path
+    assert d["memory"]["peak_bytes_per_rank"] == max(r["peak_bytes"] for r in d["memory"]["per_rank"])
+    assert 0 < d["throughput"]["mfu"] < 1
+    assert len(d["pipeline"]["stages"]) == 2
+
+
+def test_estimate_rejects_layout_that_cannot_divide_the_model():
+    with pytest.raises(ConfigError, match="model.num_heads=40 is not divisible by parallel.tp=3"):
+        commands.run_estimate(_args("estimate", ["--gpu", "a100-80g", "--gpus-per-node", "3",
+                                                 "parallel.tp=3", *LLAMA_13B]))
+    with pytest.raises(ConfigError, match="unknown GPU 'b200'"):
+        commands.run_estimate(_args("estimate", ["--gpu", "b200"]))
+
+
+@pytest.mark.timeout(60)
+def test_plan_llama_13b_two_nodes_fast_and_fits(tmp_path, capsys):
+    from giantmodel.config import load_config
+    from giantmodel.planner import memory, search
+
+    for cache in (memory._STATES, memory._ACTS, memory._TABLES, search._SPLITS):
+        cache.clear()   # time a cold search, as a fresh `giantmodel plan` runs it
+    out = tmp_path / "best.yaml"
+    start = time.monotonic()
+    rc = commands.run_plan(_args("plan", ["--gpu", "a100-80g", "--nodes", "2",
+                                          "--gpus-per-node", "8", "--top", "3", "--json",
+                                          "--out", str(out), *LLAMA_13B]))
+    elapsed = time.monotonic() - start
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    best = d["top"][0]
+    assert best["memory"]["fits"]
+    assert best["memory"]["required_bytes_per_rank"] <= best["memory"]["capacity_bytes"]
+    speeds = [r["throughput"]["tokens_per_sec"] for r in d["top"]]
+    assert speeds == sorted(speeds, reverse=True)
+    # the written YAML loads with the trainer's loader and has the best layout
+    cfg = load_config(out, validate=False)
+    assert cfg.parallel.tp == best["layout"]["tp"] and cfg.recompute == best["layout"]["recompute"]
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    assert ParallelDims.from_config(cfg, 16).world_size == 16
+    assert elapsed < 10, f"plan took {elapsed:.1f} s"
+
+
+def test_plan_reports_smallest_cluster_when_nothing_fits():
+    # 13B x 16 bytes of model states = 208 GB: 4 GPUs of 40 GB are too few, 8 suffice
+    with pytest.raises(ConfigError, match=r"smallest cluster that would fit is 8 x 1 a100-40g"):
+        commands.run_plan(_args("plan", ["--gpu", "a100-40g", "--nodes", "1", "--gpus-per-node",
+                                         "1", *LLAMA_13B]))
+
+
+def test_recompute_and_zero_reduce_memory_monotonically():
+    from dataclasses import replace
+
+    from giantmodel.planner.commands import load_for_planning
+    from giantmodel.planner.layout import resolve_layout
+
+    cfg = load_for_planning(None, LLAMA_13B + ["parallel.zero=0"])
+    hw, cluster = get_profile("a100-80g"), Cluster(2, 8)
+    base = resolve_layout(cfg, cluster)
+    acts = [memory_report(cfg.model, replace(base, recompute=r), hw).worst.components["activations"]
+            for r in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
+    states = [sum(memory_report(cfg.model, replace(base, zero=z, dp_shard=16), hw).worst
+                  .components[k] for k in ("params", "grads", "optimizer")) for z in (0, 1, 2, 3)]
+    assert states == sorted(states, reverse=True) and states[3] < states[0] / 10
+
+
+def test_pipeline_report_suggests_a_better_split():
+    from giantmodel.planner.commands import load_for_planning
+    from giantmodel.planner.layout import resolve_layout
+    from giantmodel.planner.report import pipeline_report
+
+    # a large vocabulary makes the last stage heavy; an even split is imbalanced
+    cfg = load_for_planning(None, LLAMA_13B[:9] + [
+        "model.vocab_size=256000", "model.num_layers=16", "parallel.pp=4", "parallel.tp=2",
+        "parallel.pp_layers=[4,4,4,4]", "train.global_batch_size=64", "train.seq_len=2048"])
+    layout = resolve_layout(cfg, Cluster(1, 8))
+    rep = pipeline_report(cfg.model, layout, get_profile("a100-80g"), Cluster(1, 8))
+    times = [s["time_s"] for s in rep["stages"]]
+    assert times[-1] == max(times) and rep["imbalance"] > 1.05
+    assert sum(rep["suggested_pp_layers"]) == 16
+    assert rep["suggested_pp_layers"][-1] < 4 and rep["suggested_imbalance"] < rep["imbalance"]
+
+
+def test_layer_recompute_plan_is_least_that_fits():
+    from dataclasses import replace
+
+    from giantmodel.planner.commands import load_for_planning
+    from giantmodel.planner.layer_recompute import layer_recompute_plan
+    from giantmodel.planner.layout import resolve_layout
+
+    cfg = load_for_planning(None, LLAMA_13B + ["parallel.tp=4", "parallel.pp=4", "parallel.zero=1",
+                                               "train.micro_batch_size=8"])
+    hw, cluster = get_profile("a100-80g"), Cluster(2, 8)
+    layout = resolve_layout(cfg, cluster)
+    plans = layer_recompute_plan(cfg.model, layout, hw, cluster)
+    none = memory_report(cfg.model, replace(layout, recompute="none"), hw)
+    sel = memory_report(cfg.model, replace(layout, recompute="selective"), hw)
+    for p, r_none, r_sel in zip(plans, none.ranks, sel.ranks):
+        assert p["required_bytes"] <= hw.memory_bytes
+        if r_none.required <= hw.memory_bytes:   # fits as is: recompute nothing
+            assert p["plan"] == {"none": p["layers"], "selective": 0, "full": 0}
+        else:
+            assert p["plan"]["none"] < p["layers"]
+        if p["plan"]["selective"] == p["layers"]:  # the all-selective corner is the global mode
+            assert p["required_bytes"] == pytest.approx(r_sel.required)
+    # pipeline rank 0 holds the most micro-batches: it needs the most recompute
+    assert plans[0]["plan"]["none"] <= plans[-1]["plan"]["none"]
+    assert any(0 < p["plan"]["none"] < p["layers"] for p in plans)
+
+
+def test_hwbench_writes_a_profile_the_planner_reads(tmp_path):
+    from giantmodel.planner import hwbench
+    from giantmodel.planner.hardware import load_profile_file
+
+    p = argparse.ArgumentParser()
+    hwbench.add_arguments(p)
+    out = tmp_path / "host.yaml"
+    assert hwbench.main(p.parse_args(["--size", "128", "--mem-mb", "8", "--name", "host",
+                                      "--out", str(out)])) == 0
+    prof = load_profile_file(out)["host"]
+    assert prof.peak_flops["fp32"] > 1e8 and prof.memory_bw > 1e8
+    assert get_profile("host", out).memory_bytes > 0
+    with pytest.raises(ConfigError, match="--device must be cpu or cuda"):
+        hwbench.main(p.parse_args(["--device", "tpu"]))
