@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -72,7 +72,7 @@ def _setup(group, hook, spec) -> dict:
 
 
 def _worker(rank: int, world: int, spec: dict) -> dict:
-    import giantmodel.comm as comm
+    from giantmodel import comm
     from giantmodel.comm.hooks import priority_allreduce_hook
 
     comm.register_backend()

@@ -198,6 +198,9 @@ struct Comm {
   uint32_t phase = 0;    // phases this rank has entered
   uint64_t chunk = 0;    // chunks done, picks the buffer
   double timeout_s = 300.0;
+  std::atomic<bool> cancel{false};  // this process is shutting the handle down
+  int spin_pauses = 256;             // busy-wait rounds before yielding
+  int spin_yields = 32;              // sched_yield rounds before sleeping
   Pool* pool = nullptr;
   std::string error;
 
@@ -241,22 +244,24 @@ int wait_on(Comm* c, Flag& f, int peer, uint32_t target) {
   // briefly for it. Then yield, then sleep: on a host with more runnable
   // threads than cores (ranks plus their compute threads) spinning longer
   // would steal the very core the peer needs.
-  for (int i = 0; i < 256; ++i) {
+  for (int i = 0; i < c->spin_pauses; ++i) {
     if (reached()) return kOk;
     cpu_relax();
   }
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < c->spin_yields; ++i) {
     if (reached()) return kOk;
     sched_yield();
   }
   const double deadline = now_s() + c->timeout_s;
   const timespec nap{0, 2000000};
   for (;;) {
-    f.sleepers.fetch_add(1, std::memory_order_acq_rel);
-    uint32_t seen = f.value.load(std::memory_order_acquire);
+    f.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t seen = f.value.load(std::memory_order_seq_cst);
     if (static_cast<int32_t>(seen - target) < 0) futex(&f.value, FUTEX_WAIT, seen, &nap);
     f.sleepers.fetch_sub(1, std::memory_order_acq_rel);
     if (reached()) return kOk;
+    if (c->cancel.load(std::memory_order_acquire))
+      return fail(c, kAborted, "this process is shutting the group down");
     if (c->hdr->abort.load(std::memory_order_acquire))
       return fail(c, kAborted, "another rank aborted the shared-memory group");
     int pid = c->hdr->pids[peer].load(std::memory_order_acquire);
@@ -277,8 +282,11 @@ int wait_flag(Comm* c, int peer, uint32_t target) {
 int phase(Comm* c) {
   const uint32_t p = ++c->phase;
   Flag& mine = c->hdr->flags[c->rank];
-  mine.value.store(p, std::memory_order_release);
-  if (mine.sleepers.load(std::memory_order_acquire) > 0) futex(&mine.value, FUTEX_WAKE, INT32_MAX, nullptr);
+  // seq_cst store then load: a waiter increments `sleepers` before its last
+  // look at `value`; a weaker order lets both sides miss each other and the
+  // waiter oversleeps its whole nap.
+  mine.value.store(p, std::memory_order_seq_cst);
+  if (mine.sleepers.load(std::memory_order_seq_cst) > 0) futex(&mine.value, FUTEX_WAKE, INT32_MAX, nullptr);
   for (int q = 0; q < c->world; ++q) {
     if (q == c->rank) continue;
     int rc = wait_flag(c, q, p);
@@ -340,7 +348,7 @@ int check_op(int dtype, int op) {
 
 extern "C" {
 
-int gm_abi_version() { return 3; }
+int gm_abi_version() { return 5; }
 
 const char* gm_isa() { return kernels().isa; }
 
@@ -404,11 +412,23 @@ void gm_close(void* h) {
   delete c;
 }
 
+// Makes this process's pending and future waits on h return kAborted, so a
+// thread blocked in one can exit before gm_close unmaps the segment.
+void gm_cancel(void* h) { static_cast<Comm*>(h)->cancel.store(true, std::memory_order_release); }
+
 void gm_abort(void* h) { static_cast<Comm*>(h)->hdr->abort.store(1, std::memory_order_release); }
 
 const char* gm_error(void* h) { return static_cast<Comm*>(h)->error.c_str(); }
 
 void gm_set_timeout(void* h, double s) { static_cast<Comm*>(h)->timeout_s = s; }
+
+// With more ranks than cores a waiting rank should give its core to the
+// rank it waits for at once rather than spin.
+void gm_set_spin(void* h, int pauses, int yields) {
+  auto* c = static_cast<Comm*>(h);
+  c->spin_pauses = std::max(0, pauses);
+  c->spin_yields = std::max(0, yields);
+}
 
 int gm_barrier(void* h) { return phase(static_cast<Comm*>(h)); }
 
@@ -560,8 +580,8 @@ int gm_sched_post(void* h, int64_t k, int64_t op_id) {
   }
   Flag& f = c->hdr->sched_count;
   c->hdr->sched[k % kSchedRing].store(op_id, std::memory_order_relaxed);
-  f.value.store(static_cast<uint32_t>(k + 1), std::memory_order_release);
-  if (f.sleepers.load(std::memory_order_acquire) > 0) futex(&f.value, FUTEX_WAKE, INT32_MAX, nullptr);
+  f.value.store(static_cast<uint32_t>(k + 1), std::memory_order_seq_cst);
+  if (f.sleepers.load(std::memory_order_seq_cst) > 0) futex(&f.value, FUTEX_WAKE, INT32_MAX, nullptr);
   return kOk;
 }
 
@@ -572,8 +592,8 @@ int64_t gm_sched_wait(void* h, int64_t k) {
   if (rc) return -rc;
   int64_t id = c->hdr->sched[k % kSchedRing].load(std::memory_order_relaxed);
   Flag& ack = c->hdr->sched_ack[c->rank];
-  ack.value.store(static_cast<uint32_t>(k + 1), std::memory_order_release);
-  if (ack.sleepers.load(std::memory_order_acquire) > 0) futex(&ack.value, FUTEX_WAKE, INT32_MAX, nullptr);
+  ack.value.store(static_cast<uint32_t>(k + 1), std::memory_order_seq_cst);
+  if (ack.sleepers.load(std::memory_order_seq_cst) > 0) futex(&ack.value, FUTEX_WAKE, INT32_MAX, nullptr);
   return id;
 }
 

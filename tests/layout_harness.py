@@ -105,7 +105,8 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu") -> dict:
             engine.optimizer_step(opt)
         engine.zero_grad(opt)
     params = full_parameters(engine)
-    dims.destroy_mesh() if hasattr(dims, "destroy_mesh") else None
+    if world > 1:
+        dims.destroy_mesh()
     return {"losses": losses, "norms": norms, "params": params}
 
 

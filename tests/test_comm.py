@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from giantmodel.comm import CommConfig, backend_for, register_backend
-from giantmodel.comm import _lib
+from giantmodel.comm import CommConfig, _lib, backend_for, register_backend
 from giantmodel.config.errors import ConfigError
 from giantmodel.testing import run_ranks
 
@@ -80,9 +79,10 @@ def _check_all_reduce(rank, world, group, ranks):
                         assert torch.equal(t, g), f"all_reduce {op} {dtype} n={n} vs gloo"
 
 
-def _check_scatter_gather(rank, world, group, ranks):
+def _check_scatter_gather(rank, world, group, ranks,
+                          dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.int64)):
     w, me = len(ranks), ranks.index(rank)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+    for dtype in dtypes:
         for n in (0, 1, 13, 100_003):
             parts = [_data(w * n, r, dtype, salt=1) for r in ranks]
             out = torch.full((n,), 7, dtype=dtype)
@@ -179,7 +179,17 @@ def _ops_worker(rank, world):
         wk.wait()
     for i, t in enumerate(ts):
         assert torch.all(t == sum(r * (i + 1) for r in range(world))), f"priority job {i}"
-    for g in (giant, prio):
+    # without the C++ core every op is delegated to gloo, still exact
+    os.environ["GIANTMODEL_COMM_DISABLE"] = "1"
+    plain = dist.new_group(backend="giant")
+    del os.environ["GIANTMODEL_COMM_DISABLE"]
+    assert not plain.accelerated
+    t = torch.full((11,), float(rank))
+    dist.all_reduce(t, group=plain)
+    assert torch.all(t == sum(range(world)))
+    # (gloo sums 16-bit floats in 16 bits, so only fp32/int are held to the fp32 reference)
+    _check_scatter_gather(rank, world, plain, everyone, dtypes=(torch.float32, torch.int64))
+    for g in (giant, prio, plain):
         g.shutdown()
     return True
 

@@ -8,6 +8,7 @@ failure, while here a rank dies on purpose and the survivors report.
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import signal
 import subprocess
 import time
@@ -83,7 +84,7 @@ def test_stalled_and_killed_rank_fail_fast_and_leave_no_segments():
         while not want <= set(got) and time.monotonic() < deadline:
             try:
                 kind, rank, *rest = queue.get(timeout=1)
-            except Exception:  # noqa: BLE001 - queue.Empty
+            except queue_mod.Empty:
                 continue
             key = (kind, rank) if kind != "segment" else (kind, rank, rest[0])
             got[key] = tuple(rest)
@@ -109,7 +110,7 @@ def test_stalled_and_killed_rank_fail_fast_and_leave_no_segments():
 
 
 def test_stale_segment_of_dead_creator_is_removed():
-    proc = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True)
+    proc = subprocess.run(["sh", "-c", "echo $$"], check=True, capture_output=True, text=True)
     dead_pid = int(proc.stdout.strip())
     path = f"/dev/shm/giantmodel-{dead_pid}-0123456789ab"
     if not os.path.isdir("/dev/shm"):

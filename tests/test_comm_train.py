@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from giantmodel.comm import _lib, register_backend
 from giantmodel.testing import run_ranks
@@ -55,8 +55,7 @@ def _train(model: nn.Module, rank: int, world: int, full_batch: bool = False) ->
 
 def _tp_check(rank: int, world: int) -> float:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
     ref = _model()

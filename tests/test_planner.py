@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import pytest
@@ -112,8 +113,9 @@ def test_plan_llama_13b_two_nodes_fast_and_fits(tmp_path, capsys):
 
 
 def test_plan_reports_smallest_cluster_when_nothing_fits():
-    # 13B x 16 bytes of model states = 208 GB: 4 GPUs of 40 GB are too few, 8 suffice
-    with pytest.raises(ConfigError, match=r"smallest cluster that would fit is 8 x 1 a100-40g"):
+    # 13B x 16 bytes of model states = 208 GB: 5 GPUs of 40 GB hold 41.7 GB each, too
+    # many; 6 hold 34.7 GB each plus buffers and reserve, which fits
+    with pytest.raises(ConfigError, match=r"smallest cluster that would fit is 6 x 1 a100-40g"):
         commands.run_plan(_args("plan", ["--gpu", "a100-40g", "--nodes", "1", "--gpus-per-node",
                                          "1", *LLAMA_13B]))
 
@@ -193,3 +195,32 @@ def test_hwbench_writes_a_profile_the_planner_reads(tmp_path):
     assert get_profile("host", out).memory_bytes > 0
     with pytest.raises(ConfigError, match="--device must be cpu or cuda"):
         hwbench.main(p.parse_args(["--device", "tpu"]))
+
+
+def test_zero_paper_memory_example():
+    """Rajbhandari et al. 2020 (ZeRO), Figure 1: 7.5B parameters, Adam with
+    fp16 mixed precision (K = 12), 64 data-parallel GPUs."""
+    from giantmodel.planner.memory import model_state_bytes
+
+    shapes = [(7_500_000_000,)]
+    got = [sum(model_state_bytes(shapes, z, 64, "mixed", zero1="even").values()) / 1e9
+           for z in (0, 1, 2, 3)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+    assert math.isclose(got[1], 4 * 7.5 + 12 * 7.5 / 64)
+
+
+def test_layout_follows_pipeline_microbatches_and_tied_head_copies():
+    from giantmodel.planner.commands import load_for_planning
+    from giantmodel.planner.layout import resolve_layout
+    from giantmodel.planner.memory import param_table, stage_params
+
+    cfg = load_for_planning(None, LLAMA_13B + ["parallel.pp=4", "parallel.pp_microbatches=8"])
+    layout = resolve_layout(cfg, Cluster(2, 8))   # dp = 4: 128 sequences per dp rank
+    assert (layout.n_micro, layout.micro_batch) == (8, 16)
+    cfg = load_for_planning(None, ["model.tie_embeddings=true"])
+    table = param_table(cfg.model)
+    first = stage_params(table, 0, 2, 2, 1)
+    last = stage_params(table, 1, 2, 2, 1)
+    # with two stages the last one keeps its own copy of the tied embedding
+    emb = (cfg.model.vocab_size, cfg.model.hidden_size)
+    assert first.count(emb) == 1 and last.count(emb) == 1

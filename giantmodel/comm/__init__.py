@@ -12,7 +12,7 @@ import os
 
 from giantmodel.comm.config import CommConfig
 
-__all__ = ["CommConfig", "backend_for", "register_backend", "BACKEND_NAME"]
+__all__ = ["BACKEND_NAME", "CommConfig", "backend_for", "extension_status", "register_backend"]
 
 BACKEND_NAME = "giant"
 
@@ -54,3 +54,26 @@ def backend_for(cfg: CommConfig, device_type: str) -> str:
         register_backend()
         os.environ.update(cfg.to_env())
     return cfg.backend
+
+
+def extension_status() -> str:
+    """One line on the C++ core: loaded, found, buildable on first use, or missing.
+
+    Never compiles anything; cheap enough for ``giantmodel version``.
+    """
+    from giantmodel.comm import _lib
+
+    lib = _lib._state.get("lib")
+    if lib is not None:
+        return f"loaded ({lib._name}, {lib.gm_isa().decode()} kernels)"
+    for path in _lib.candidates():
+        if path.exists():
+            return f"built ({path})"
+    cached = sorted((_lib.cache_dir() / "comm").glob("libgiant_shm-*.so"))
+    if cached:
+        return f"built on first use ({cached[-1]})"
+    import shutil
+
+    if (_lib._CSRC / "giant_shm.cpp").exists() and (shutil.which("g++") or shutil.which("c++")):
+        return "not built; compiles on first use (or run `python csrc/build_ext.py`)"
+    return "missing: collectives are delegated to gloo/NCCL"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 3
+ABI_VERSION = 5
 _PKG_DIR = Path(__file__).resolve().parent
 _CSRC = _PKG_DIR.parent.parent / "csrc"
 
@@ -44,8 +44,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "gm_open": (vp, [cp, i32, i32, i64, i32, i32, dbl, ctypes.c_char_p, i32]),
         "gm_close": (None, [vp]),
         "gm_abort": (None, [vp]),
+        "gm_cancel": (None, [vp]),
         "gm_error": (cp, [vp]),
         "gm_set_timeout": (None, [vp, dbl]),
+        "gm_set_spin": (None, [vp, i32, i32]),
         "gm_barrier": (i32, [vp]),
         "gm_allreduce": (i32, [vp, vp, vp, i64, i32, i32, dbl]),
         "gm_reduce_scatter": (i32, [vp, vp, vp, i64, i32, i32, dbl]),

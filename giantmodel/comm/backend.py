@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,10 @@ class GiantProcessGroup(dist.ProcessGroup):
         self._cpu_reduce = None
         self._store, self._timeout, self._generation = store, timeout, 0
         self._use_hier = self.topology.hierarchical
-        if _lib.load() is not None and (self.topology.num_nodes == 1 or self.topology.hierarchical):
+        # GIANTMODEL_COMM_DISABLE=1 forces pure delegation (for comparisons)
+        enabled = os.environ.get("GIANTMODEL_COMM_DISABLE", "0") != "1"
+        if enabled and _lib.load() is not None and (self.topology.num_nodes == 1
+                                                    or self.topology.hierarchical):
             chunk = self._settings.chunk_bytes or default_chunk_bytes(
                 self.topology.local_size, os.cpu_count() or 1)
             self._shm = self._make_shm(chunk)
@@ -114,12 +117,12 @@ class GiantProcessGroup(dist.ProcessGroup):
             return
         self._engine.drain()
         if chunk_bytes is not None and chunk_bytes != self._shm.chunk_bytes:
+            if self._engine.priority_mode:
+                raise RuntimeError("reconfigure is not supported in priority mode")
             old, self._shm = self._shm, self._make_shm(chunk_bytes)
             old.close()
             if self._hier is not None:
                 self._hier.shm = self._shm
-            if self._engine.priority_mode:
-                self._engine.set_schedule(self._shm)
         if hierarchical is not None and self._hier is not None:
             self._use_hier = hierarchical
 
@@ -403,15 +406,18 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._engine.drain(timeout=5)
-        self._engine.close()
         if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+            self._shm.cancel()  # releases an engine thread blocked on the segment
+        stopped = self._engine.close()
+        if self._shm is not None and stopped:
+            self._shm.close()  # unmapping under a live thread would crash it
+        self._shm = None
 
     def abort(self) -> None:
         if self._shm is not None:
             self._shm.abort()
-        self._engine.close()
+            self._shm.cancel()
+        self._engine.close(timeout=1)
 
 
 def _ar_opts(op) -> dist.AllreduceOptions:

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from torch.futures import Future
 
@@ -168,17 +168,19 @@ class Engine:
         for f in pending:
             f.set_exception(exc)
 
-    def set_schedule(self, sched: ShmGroup) -> None:
-        """Post future choices through a new segment (after reconfiguring);
-        the ring position restarts at 0 on every rank."""
-        self._sched, self._k = sched, 0
-
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job finished; False on timeout."""
         with self._cv:
             return self._cv.wait_for(lambda: self._in_flight == 0, timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the thread; True when it has exited (so shared memory may be
+        unmapped). A thread blocked in a schedule wait must be released by
+        cancelling the segment first."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True

@@ -92,6 +92,8 @@ class ShmGroup:
         self._handle: int | None = None
         self._name = ""
         self._open(store)
+        if world > (os.cpu_count() or 1):
+            self.lib.gm_set_spin(self._handle, 0, 2)  # oversubscribed: sleep, don't spin
 
     # ---- lifetime -------------------------------------------------------
     def _open(self, store) -> None:
@@ -139,6 +141,11 @@ class ShmGroup:
         if self._handle:
             self.lib.gm_close(self._handle)
             self._handle = None
+
+    def cancel(self) -> None:
+        """Make this process's waits on the segment fail now (before close)."""
+        if self._handle:
+            self.lib.gm_cancel(self._handle)
 
     def abort(self) -> None:
         if self._handle:

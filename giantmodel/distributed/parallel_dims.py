@@ -25,12 +25,21 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 @dataclass
 class ParallelDims:
     world_size: int
+    """Number of ranks in the job."""
     dp_replicate: int = 1
+    """Data-parallel replicas (all of dp for zero 0; the HSDP replica count otherwise)."""
     dp_shard: int = 1
+    """Ranks that shard parameters/gradients/optimizer states within a replica."""
     cp: int = 1
+    """Context-parallel degree."""
     tp: int = 1
+    """Tensor-parallel degree."""
     pp: int = 1
+    """Pipeline-parallel degree."""
     placement: list[int] | None = None
+    """Global rank at each mesh position (row-major pp, dp_replicate, dp_shard, cp, tp); None is the identity."""
+    timeout_s: float | None = None
+    """Collective timeout applied to every mesh group (``parallel.timeout_s``)."""
     _mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -60,7 +69,8 @@ class ParallelDims:
                     f"shard_group_size {group} does not divide dp {dp}", "parallel.shard_group_size")
             replicate, shard = dp // group, group
         dims = cls(world_size=world_size, dp_replicate=replicate, dp_shard=shard,
-                   cp=p.cp, tp=p.tp, pp=p.pp, placement=p.placement)
+                   cp=p.cp, tp=p.tp, pp=p.pp, placement=p.placement,
+                   timeout_s=p.timeout_s)
         dims.validate_against(cfg)
         return dims
 
@@ -163,7 +173,25 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         self._mesh = mesh
+        self._apply_timeout()
         return mesh
+
+    def _apply_timeout(self) -> None:
+        """Give every mesh group ``parallel.timeout_s``: torch creates them
+        with its 30-minute default, which would let a dead peer stall a tp
+        or dp collective far longer than the configured timeout."""
+        if self.timeout_s is None:
+            return
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        seen = set()
+        for name in MESH_DIMS + tuple(self._flat):
+            group = self[name].get_group()
+            if id(group) not in seen:
+                seen.add(id(group))
+                _set_pg_timeout(timedelta(seconds=self.timeout_s), group)
 
     def destroy_mesh(self) -> None:
         """Forget the mesh (its groups are freed with the default group);

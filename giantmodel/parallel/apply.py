@@ -6,7 +6,8 @@ subset), still on the meta device, and applies, in order:
 
 1. the tensor/sequence-parallel plan (``parallel.tp``, ``parallel.sp``);
 2. context-parallel attention (``parallel.cp``);
-3. activation recomputation (``recompute``);
+3. activation recomputation (``recompute``) and activation offload
+   (``offload.activations``; a no-op for tensors already in host memory);
 4. FSDP2 for ``parallel.zero`` 2 and 3 (zero 0/1 are handled after the
    backward by :class:`giantmodel.parallel.data.DataParallel`).
 
@@ -36,6 +37,10 @@ def parallelize_chunk(module: nn.Module, dims, cfg) -> nn.Module:
     if dims.cp > 1:
         apply_context_parallel(module, dims["cp"])
     apply_recompute(module, cfg.recompute)
+    if cfg.offload.activations:
+        from giantmodel.parallel.offload import apply_offload
+
+        apply_offload(module, cfg.offload.prefetch_layers)
     if cfg.parallel.zero >= 2 and dims.dp * dims.cp > 1:
         apply_fsdp(module, dims, cfg)
     return module

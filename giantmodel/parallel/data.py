@@ -1,7 +1,9 @@
 """Data parallelism and ZeRO.
 
-* zero 0: parameters replicated; after backward, gradients are summed over
-  the data-parallel group in flat buckets of ``parallel.bucket_mb`` MiB.
+* zero 0: parameters replicated; gradients are summed over the
+  data-parallel group in flat buckets of ``parallel.bucket_mb`` MiB, each
+  launched from inside backward as soon as it is complete
+  (:mod:`giantmodel.parallel.grad_buckets`).
 * zero 1: as zero 0, but each dp rank owns whole parameters (balanced by
   size) and keeps AdamW state only for those; after its update an owner
   broadcasts its parameters. The optimizer is a plain ``torch.optim.AdamW``
@@ -114,18 +116,36 @@ class DataParallel:
         self.group = self.mesh.get_group()
         self.owned: list[torch.Tensor] = []
         self._owners: list[tuple[torch.Tensor, int]] = []
+        self._reducer = None
 
     @property
     def uses_fsdp(self) -> bool:
         return self.zero >= 2
 
+    def prepare_backward(self, parts: list[nn.Module], last_microbatch: bool) -> None:
+        """Optional, before each micro-batch's backward: on the last one,
+        zero 0/1 buckets are all-reduced as backward fills them."""
+        if self.uses_fsdp or self.mesh.size() == 1:
+            return
+        if self._reducer is None:
+            from giantmodel.parallel.grad_buckets import OverlappedReducer
+
+            self._reducer = OverlappedReducer(unique_params(parts), self.group, self.bucket_bytes)
+        self._reducer.arm(last_microbatch)
+
     def reduce_gradients(self, parts: list[nn.Module]) -> None:
-        """zero 0/1: sum gradients over dp x cp. FSDP2 reduces in its own hooks."""
+        """zero 0/1: sum gradients over dp x cp (finishing the overlapped
+        buckets when :meth:`prepare_backward` armed them). FSDP2 reduces in
+        its own hooks."""
         if self.uses_fsdp:
             return
+        if self._reducer is not None and self._reducer.armed:
+            self._reducer.finish()
+        else:
+            grads = [local_tensor(p.grad) for p in unique_params(parts) if p.grad is not None]
+            all_reduce_bucketed_(grads, self.group, self.bucket_bytes)
+        # After the dp sum, which commutes with the tp partial sums it resolves.
         align_grad_placements(parts)
-        grads = [local_tensor(p.grad) for p in unique_params(parts) if p.grad is not None]
-        all_reduce_bucketed_(grads, self.group, self.bucket_bytes)
 
     def build_optimizer(self, parts: list[nn.Module], optim_cfg, device_type: str):
         if self.zero != 1:

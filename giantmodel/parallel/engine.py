@@ -38,7 +38,11 @@ class Engine:
         self.device = device
         if dims.world_size != 1:
             raise NotImplementedError("multi-rank layouts are built by giantmodel.parallel")
+        from giantmodel.parallel.apply import parallelize_chunk
+
         model = build_model(cfg.model, device="meta")
+        # One process: only recompute and activation offload apply.
+        model = parallelize_chunk(model, dims, cfg)
         init_weights(model, cfg.model, cfg.train.seed, device=device)
         self.parts: list[nn.Module] = [model]
 

@@ -11,10 +11,20 @@ over the trainer's micro-batches. The last stage's loss is the micro-batch's
 token *sum* divided by the token count of the whole global batch (every
 micro-batch of every data-parallel rank), and the schedule does not rescale
 gradients, so the accumulated gradient is exactly that of the single-process
-global token mean.
+global token mean. Gradient reduction over dp/cp, ZeRO, the optimizer and
+the global gradient norm are the SPMD engine's, applied to all local stages.
+
+Evaluation runs forward only with plain send/recv between stages, so it does
+not depend on the training schedule's micro-batch count. Tied embeddings are
+two copies (first and last stage) whose gradients are summed every step.
+Pipeline point-to-point traffic uses a group created with
+``parallel.timeout_s``, so a stage waiting on a dead neighbour fails in time.
 """
 
 from __future__ import annotations
+
+import math
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,12 +32,21 @@ from torch import nn
 
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.models import build_model, init_weights
+from giantmodel.models.registry import copy_full_into, full_init_tensor
 from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
 from giantmodel.parallel.collectives import all_reduce_sum_
-from giantmodel.parallel.data import DataParallel
-from giantmodel.parallel.pipeline_split import (layers_per_stage, stage_ids_for_rank,
-                                                stage_layer_ranges, stage_owner,
-                                                validate_pipeline)
+from giantmodel.parallel.data import DataParallel, local_tensor
+from giantmodel.parallel.grads import clip_grads_
+from giantmodel.parallel.pipeline_split import (
+    MULTI_STAGE_SCHEDULES,
+    check_pipeline_placement,
+    layers_per_stage,
+    pipeline_microbatches,
+    stage_ids_for_rank,
+    stage_layer_ranges,
+    stage_owner,
+    validate_pipeline,
+)
 from giantmodel.parallel.spmd import SPMDEngine
 from giantmodel.train.precision import Precision
 
@@ -77,12 +96,14 @@ class PipelineEngine(SPMDEngine):
         self.dims = dims
         self.device = device
         p = cfg.parallel
-        validate_pipeline(cfg, dims.pp, dims.microbatches(cfg))
+        validate_pipeline(cfg, dims.pp, dims.dp)
+        check_pipeline_placement(dims)
+        self.n_micro = pipeline_microbatches(cfg, dims.dp)
         self.schedule_name = p.pp_schedule
         self.virtual = 2 if p.pp_schedule == "zbv" else p.pp_virtual
         self.num_stages = dims.pp * self.virtual
-        self.pp_group = dims.group("pp")
-        self.pp_rank = dims.coordinate("pp")
+        self.pp_group = _pipeline_group(dims)
+        self.pp_rank = dims.coordinate("pp")  # == rank in pp_group (check_pipeline_placement)
         self.layer_counts = layers_per_stage(cfg, self.num_stages)
         ranges = stage_layer_ranges(self.layer_counts)
         self.stage_ids = stage_ids_for_rank(self.pp_rank, dims.pp, self.virtual, p.pp_schedule)
@@ -95,6 +116,7 @@ class PipelineEngine(SPMDEngine):
             self.parts.append(module)
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
+        self._tie = _TiedEmbedding(self) if cfg.model.tie_embeddings else None
         self.data_parallel = DataParallel(dims, cfg)
         self._dp_group = dims.group("dp")
         self._dp_cp_group = dims.group("dp_cp")
@@ -103,13 +125,9 @@ class PipelineEngine(SPMDEngine):
         self._precision: Precision | None = None
 
     # ------------------------------------------------------------- training
-    def _get_schedule(self, n_micro: int):
-        """Built on first use; stages keep buffers sized for one micro-batch count."""
+    def _get_schedule(self):
+        """Built on first use: its first step infers the activation shapes."""
         if self._schedule is not None:
-            if self._schedule._n_microbatches != n_micro:
-                raise ValueError(
-                    f"the pipeline was set up for {self._schedule._n_microbatches} micro-batches "
-                    f"per step and got {n_micro}; the micro-batch count must stay fixed")
             return self._schedule
         from torch.distributed.pipelining import PipelineStage
 
@@ -118,7 +136,8 @@ class PipelineEngine(SPMDEngine):
                   for part, sid in zip(self.parts, self.stage_ids)]
         cls = _schedule_class(self.schedule_name)
         # scale_grads=False: the loss is already divided by the global token count.
-        self._schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro,
+        multi = self.schedule_name in MULTI_STAGE_SCHEDULES
+        self._schedule = cls(stages if multi else stages[0], self.n_micro,
                              loss_fn=self._stage_loss, scale_grads=False)
         return self._schedule
 
@@ -133,8 +152,14 @@ class PipelineEngine(SPMDEngine):
         return self._precision.scale_loss(loss_sum / self._step_tokens)
 
     def _step_inputs(self, microbatches: list[dict]) -> tuple[tuple, dict]:
-        """Whole-step inputs for ``schedule.step``, which cuts them back into
-        the same micro-batches along dim 0."""
+        """Whole-step inputs for ``schedule.step``, which cuts them into
+        ``n_micro`` equal micro-batches along dim 0 (the trainer's own ones
+        unless ``parallel.pp_microbatches`` asks for another count; the loss
+        is a token sum, so the cut does not change the result)."""
+        sequences = sum(mb["input_ids"].shape[0] for mb in microbatches)
+        if sequences % self.n_micro:
+            raise ValueError(f"{sequences} sequences per step do not split into "
+                             f"{self.n_micro} pipeline micro-batches")
         local = [self._local_inputs(mb) for mb in microbatches]
         args, kwargs = (), {}
         if self.has_first:
@@ -153,12 +178,14 @@ class PipelineEngine(SPMDEngine):
             part.train()
         self._precision = precision
         self._step_tokens = max(self._global_tokens(microbatches), 1.0)
-        sched = self._get_schedule(len(microbatches))
+        sched = self._get_schedule()
         args, kwargs = self._step_inputs(microbatches)
         losses: list[torch.Tensor] = []
         with loss_context(self.dims), precision.autocast():
             sched.step(*args, losses=losses, return_outputs=False, **kwargs)
         self.data_parallel.reduce_gradients(self.parts)
+        if self._tie is not None:
+            self._tie.sum_gradients()
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.has_last:
             total += sum(float(x.detach()) for x in losses) / precision.scale
@@ -210,10 +237,96 @@ class PipelineEngine(SPMDEngine):
                 send_activation(h, self._peer(sid + 1), self.pp_group)
         return None
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global norm over every rank; a tied embedding counts once, as in
+        the single-process model, though the first and last stage both hold it."""
+        head = self._tie.head if self._tie is not None else None
+        norm = clip_grads_([p for p in self.parameters() if p is not head], self.dims, max_norm)
+        if head is not None and head.grad is not None and max_norm > 0 and math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)  # the coefficient clip_grads_ applied to the rest
+            if coef < 1.0:
+                local_tensor(head.grad).mul_(coef)
+        return norm
+
     def _peer(self, stage: int) -> int:
         """Global rank that runs ``stage`` in this rank's pipeline group."""
         local = stage_owner(stage, self.dims.pp, self.schedule_name)
         return dist.get_global_rank(self.pp_group, local)
+
+
+# --------------------------------------------------------------- tied weights
+class _TiedEmbedding:
+    """``model.tie_embeddings`` across pipeline stages.
+
+    The token embedding lives on the first stage and the output head on the
+    last, as two copies of one matrix. Both start from the embedding's
+    initial value; after every backward their gradients are summed (over a
+    two-rank group, or locally when one rank holds both stages, as under
+    ZBV), so identical AdamW updates keep the copies equal. Both copies are
+    sharded alike (vocabulary rows over tp, dim 0 over FSDP), so local shards
+    line up element for element.
+    """
+
+    def __init__(self, engine: PipelineEngine):
+        self.embedding = self.head = None
+        for part, sid in zip(engine.parts, engine.stage_ids):
+            if sid == 0:
+                self.embedding = part.tok_embeddings.weight
+            if sid == engine.num_stages - 1:
+                self.head = part.output.weight
+        if self.head is not None:
+            cfg = engine.cfg
+            # Layout-independent init draws by name: give the head the
+            # embedding's draw, as the single-process tied model has.
+            copy_full_into(self.head, full_init_tensor("tok_embeddings.weight", self.head.shape,
+                                                       cfg.model, cfg.train.seed))
+        first = stage_owner(0, engine.dims.pp, engine.schedule_name)
+        last = stage_owner(engine.num_stages - 1, engine.dims.pp, engine.schedule_name)
+        self.same_rank = first == last
+        self.group = None
+        if not self.same_rank:
+            pairs = [[row[first], row[last]] for row in _pipeline_groups(engine.dims)]
+            # Every rank takes part in creating every pair's group.
+            self.group, _ = dist.new_subgroups_by_enumeration(
+                pairs, timeout=_group_timeout(engine.dims))
+
+    def sum_gradients(self) -> None:
+        held = [p for p in (self.embedding, self.head) if p is not None]
+        mine = [p for p in held if p.grad is not None]
+        if not held:  # a middle stage
+            return
+        if len(mine) != len(held):
+            raise RuntimeError("tied embedding: a stage that holds a copy has no gradient for it")
+        if self.same_rank:
+            total = local_tensor(self.embedding.grad) + local_tensor(self.head.grad)
+            local_tensor(self.embedding.grad).copy_(total)
+            local_tensor(self.head.grad).copy_(total)
+            return
+        all_reduce_sum_(local_tensor(mine[0].grad), self.group)
+
+
+def _pipeline_groups(dims) -> list[list[int]]:
+    """Global ranks of every pipeline group, one row per group, by pp index."""
+    layout = dims.mesh_layout()  # [pp, dp_replicate, dp_shard, cp, tp]
+    return layout.reshape(dims.pp, -1).t().tolist()
+
+
+def _group_timeout(dims) -> timedelta | None:
+    timeout = getattr(dims, "timeout_s", None)
+    return None if timeout is None else timedelta(seconds=timeout)
+
+
+def _pipeline_group(dims):
+    """This rank's pipeline group, created with ``parallel.timeout_s``.
+
+    The mesh's own pp group gets its timeout only after creation, which gloo
+    applies to collectives but not to point-to-point receives: a stage
+    waiting on a dead neighbour would then hang for torch's default 30
+    minutes. A group made with the timeout fails in time.
+    """
+    group, _ = dist.new_subgroups_by_enumeration(_pipeline_groups(dims),
+                                                 timeout=_group_timeout(dims))
+    return group
 
 
 # ------------------------------------------------------------------ collectives

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from giantmodel.config.errors import ConfigError
 
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 
 
@@ -140,34 +139,65 @@ def stage_owner(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
-def validate_pipeline(cfg, pp: int, n_micro: int) -> None:
+def pipeline_microbatches(cfg, dp: int) -> int:
+    """Micro-batches one pipeline step cuts a dp rank's share of the global
+    batch into: ``parallel.pp_microbatches``, or the trainer's own count."""
+    t, p = cfg.train, cfg.parallel
+    sequences = t.global_batch_size // dp
+    if p.pp_microbatches is None:
+        return sequences // t.micro_batch_size
+    if p.pp_microbatches < 1 or sequences % p.pp_microbatches:
+        raise ConfigError(
+            f"must be a positive divisor of the {sequences} sequences each data-parallel rank "
+            f"gets per step (train.global_batch_size / dp); got {p.pp_microbatches}",
+            "parallel.pp_microbatches")
+    return p.pp_microbatches
+
+
+def validate_pipeline(cfg, pp: int, dp: int) -> None:
     """Pipeline checks that the generic layout validation does not make;
-    needs no process group. ``n_micro``: micro-batches per step per dp rank."""
+    needs no process group."""
     p, m = cfg.parallel, cfg.model
     if pp <= 1:
         return
-    if m.tie_embeddings:
-        raise ConfigError(
-            "tied embeddings put one weight on the first and the last pipeline stage, "
-            "which pipeline parallelism does not support; set model.tie_embeddings=false "
-            "or parallel.pp=1", "model.tie_embeddings")
+    n_micro = pipeline_microbatches(cfg, dp)
     if p.pp_schedule == "zbv" and p.pp_virtual != 2:
         raise ConfigError(
             f"the zbv schedule runs exactly 2 stages per rank; set parallel.pp_virtual=2 "
             f"(got {p.pp_virtual})", "parallel.pp_virtual")
+    key = "parallel.pp_microbatches" if p.pp_microbatches else "train.global_batch_size"
     if p.pp_schedule in MULTI_STAGE_SCHEDULES and p.pp_virtual > 1 and n_micro % pp:
         raise ConfigError(
             f"{p.pp_schedule} needs micro-batches per step ({n_micro}) to be a multiple of "
-            f"parallel.pp={pp}; change train.global_batch_size or train.micro_batch_size",
-            "train.global_batch_size")
+            f"parallel.pp={pp}; change train.global_batch_size, train.micro_batch_size or "
+            "parallel.pp_microbatches", key)
     if p.pp_schedule != "gpipe" and n_micro < pp:
         raise ConfigError(
             f"{n_micro} micro-batches per step is fewer than parallel.pp={pp} stages, which "
-            f"{p.pp_schedule} needs; raise train.global_batch_size or lower "
-            "train.micro_batch_size", "train.global_batch_size")
+            f"{p.pp_schedule} needs; raise train.global_batch_size, lower "
+            "train.micro_batch_size, or set parallel.pp_microbatches", key)
     stages = pp * p.pp_virtual
     if m.num_layers < stages:
         raise ConfigError(
             f"model.num_layers={m.num_layers} is fewer than pp*pp_virtual={stages} stages",
             "parallel.pp")
     layers_per_stage(cfg, stages)
+
+
+def check_pipeline_placement(dims) -> None:
+    """Each pipeline group's ranks must increase along pp.
+
+    A process group numbers its members in increasing global rank, and the
+    pipeline schedules place stages by that number, while data parallelism
+    pairs ranks by their mesh coordinate: the two agree only when every
+    pipeline group is in increasing order. Needs no process group.
+    """
+    if dims.pp <= 1 or dims.placement is None:
+        return
+    rows = dims.mesh_layout().reshape(dims.pp, -1).t().tolist()
+    for row in rows:
+        if row != sorted(row):
+            raise ConfigError(
+                f"places pipeline group {row} (stage order) out of increasing rank order; "
+                "permute ranks so that each pipeline group's ranks increase from the first "
+                "stage to the last", "parallel.placement")

@@ -59,8 +59,9 @@ class SPMDEngine(Engine):
         model.train()
         tokens = self._global_tokens(microbatches)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in microbatches:
+        for i, mb in enumerate(microbatches):
             ids, labels, positions = self._local_inputs(mb)
+            self.data_parallel.prepare_backward(self.parts, i == len(microbatches) - 1)
             with loss_context(self.dims):
                 with precision.autocast():
                     logits = model(ids, positions)
@@ -74,7 +75,8 @@ class SPMDEngine(Engine):
     def eval_loss(self, batches, precision: Precision) -> float:
         model = self.parts[0]
         model.eval()
-        tokens = self._global_tokens(list(batches))
+        batches = list(batches)  # may be a one-shot iterator; counted, then run
+        tokens = self._global_tokens(batches)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in batches:
             ids, labels, positions = self._local_inputs(mb)

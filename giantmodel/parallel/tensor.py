@@ -35,17 +35,20 @@ def _block_plan(sp: bool, rope: bool) -> dict:
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
     }
+    # Each sub-block takes its input as one DTensor (gathered along the
+    # sequence under sp), so the gradients of wq/wk/wv (and w1/w3) meet as
+    # one Partial sum and backward does one collective per sub-block rather
+    # than one per column-parallel linear.
+    plan.update({
+        # attention(x[, rope]): rope stays a plain tensor.
+        "attention": PrepareModuleInput(
+            input_layouts=(residual, None) if rope else (residual,),
+            desired_input_layouts=(Replicate(), None) if rope else (Replicate(),)),
+        "feed_forward": PrepareModuleInput(input_layouts=(residual,),
+                                           desired_input_layouts=(Replicate(),)),
+    })
     if sp:
-        plan.update({
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # attention(x[, rope]): gather x along the sequence, leave rope alone.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None) if rope else (Shard(1),),
-                desired_input_layouts=(Replicate(), None) if rope else (Replicate(),)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-        })
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     return plan
 
 

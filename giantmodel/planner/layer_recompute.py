@@ -50,9 +50,11 @@ def layer_recompute_plan(m, layout: Layout, hw, cluster: Cluster,
                 saved = (inflight * (n_sel * (acts["none"] - acts["selective"])
                                      + n_full * (acts["none"] - acts["full"]))
                          + (n_sel + n_full) * weights) * (1 + FRAGMENTATION)
-                extra = acts["none"] * (1 + FRAGMENTATION) if n_full else 0.0
-                need = base.required - saved + max(0.0, extra
-                                                   - base.components["backward_transient"])
+                # one block's re-created tensors live during its backward
+                rerun = (acts["none"] if n_full else
+                         acts["none"] - acts["selective"] if n_sel else 0.0)
+                need = base.required - saved + (1 + FRAGMENTATION) * max(
+                    0.0, rerun - base.components["backward_transient"])
                 if need > hw.memory_bytes:
                     continue
                 t = n_sel * cost["selective"] + n_full * cost["full"]

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.parallel.pipeline_split import layers_per_stage, stage_ids_for_rank, validate_pipeline
+from giantmodel.parallel.pipeline_split import (
+    layers_per_stage,
+    pipeline_microbatches,
+    stage_ids_for_rank,
+    validate_pipeline,
+)
 
 
 @dataclass(frozen=True)
@@ -93,16 +98,21 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         raise ConfigError(f"need at least one node and one GPU per node, got {cluster}",
                           "--nodes")
     dims = ParallelDims.from_config(cfg, cluster.world)
-    n_micro = dims.microbatches(cfg)
     p = cfg.parallel
-    validate_pipeline(cfg, dims.pp, n_micro)
+    validate_pipeline(cfg, dims.pp, dims.dp)
+    n_micro = dims.microbatches(cfg)
+    micro_batch = cfg.train.micro_batch_size
+    if dims.pp > 1:
+        # a pipeline step may cut the batch into parallel.pp_microbatches pieces
+        n_micro = pipeline_microbatches(cfg, dims.dp)
+        micro_batch = cfg.train.global_batch_size // dims.dp // n_micro
     stages = dims.pp * p.pp_virtual
     split = layers_per_stage(cfg, stages) if stages > 1 else [cfg.model.num_layers]
     offload_opt = bool(getattr(cfg.offload, "optimizer", False))
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
         zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
-        micro_batch=cfg.train.micro_batch_size, n_micro=n_micro, seq_len=cfg.train.seq_len,
+        micro_batch=micro_batch, n_micro=n_micro, seq_len=cfg.train.seq_len,
         precision=cfg.precision, recompute=cfg.recompute,
         offload_activations=cfg.offload.activations, offload_optimizer=offload_opt,
         stage_layers=tuple(split), bucket_mb=p.bucket_mb)

@@ -88,7 +88,8 @@ class ParamTable:
         return sum(math.prod(p.local_shape(tp)) for p in self.layer if _is_linear(p.name))
 
     def head_linear_numel(self, tp: int = 1) -> int:
-        return sum(math.prod(p.local_shape(tp)) for p in self.head)
+        head = self.head or tuple(p for p in self.embed if p.name.startswith("tok_"))
+        return sum(math.prod(p.local_shape(tp)) for p in head)
 
 
 def _is_linear(name: str) -> bool:
@@ -145,9 +146,10 @@ def stage_params(table: ParamTable, stage: int, num_stages: int, n_layers: int,
         shapes += [p.local_shape(tp) for p in table.layer]
     if stage == num_stages - 1:
         shapes += [p.local_shape(tp) for p in table.final]
-        # With pp > 1 a tied head would need its own copy; the trainer refuses
-        # that layout, so a tied head only exists with a single stage.
         shapes += [p.local_shape(tp) for p in table.head]
+        if table.tied and num_stages > 1:
+            # the last stage holds its own copy of the tied embedding
+            shapes += [p.local_shape(tp) for p in table.embed if p.name.startswith("tok_")]
     return shapes
 
 
@@ -332,7 +334,12 @@ def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp
         return {"block.input": _term_bytes(first, tokens, tp, sp, cp)}
     if mode == "selective":
         terms = selective_terms(m, precision, tp, sp, cp)
-    return {t.name: _term_bytes(t, tokens, tp, sp, cp) for t in terms}
+    out = {t.name: _term_bytes(t, tokens, tp, sp, cp) for t in terms}
+    if cp > 1 and mode == "none":
+        # context-parallel attention builds a boolean causal mask [s/cp, s]
+        # per block, which the attention kernel keeps
+        out["attention.cp_mask"] = seq_len / cp * seq_len
+    return out
 
 
 def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
@@ -497,10 +504,18 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     transient = 0.0
     if layout.recompute == "full":
         transient = sum(per_layer_none.values())   # one block re-run during backward
+    elif layout.recompute == "selective":   # what the policy re-creates for one block
+        transient = sum(per_layer_none.values()) - layer_bytes
     if ns - 1 in stages:
         transient = max(transient, loss_transient_bytes(m, layout.precision, b, s, layout.tp,
                                                         layout.cp))
     comp["backward_transient"] = transient
+    if layout.n_micro == 1 and layout.pp == 1:
+        # No gradient accumulation: the step frees gradients (set_to_none), so
+        # backward allocates them while it frees activations; the two peaks
+        # do not add up.
+        comp["grads_not_yet_allocated"] = -min(
+            comp["grads"], acts + comp["embedding_head_activations"] + transient)
     comp["fragmentation"] = FRAGMENTATION * (acts + comp["embedding_head_activations"] + transient
                                              + comp["working_weights"] + comp["comm_buffers"])
     comp["reserved"] = hw.reserved_bytes if hw is not None else 0.0

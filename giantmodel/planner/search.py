@@ -68,7 +68,7 @@ def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
             if world % (tp * cp):
                 continue
             for pp in _divisors(world // (tp * cp)):
-                if pp > m.num_layers or (pp > 1 and m.tie_embeddings):
+                if pp > m.num_layers:
                     continue
                 dp = world // (tp * cp * pp)
                 scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + [
@@ -181,12 +181,13 @@ def verified(cfg, cands: list[Candidate], cluster: Cluster, k: int) -> list[Cand
 
 
 def smallest_fitting_cluster(cfg, hw, gpus_per_node: int, max_nodes: int = 4096) -> Cluster | None:
-    """The fewest nodes (powers of two) on which some layout fits, ignoring
-    whether the global batch divides: the memory-frugal corner of the space
-    (zero 3, full recompute, activation offload, micro-batch 1)."""
+    """The fewest nodes (every count up to 128, then powers of two) on which
+    some layout fits, ignoring whether the global batch divides: the
+    memory-frugal corner of the space (zero 3, full recompute, activation
+    offload, micro-batch 1)."""
     m = cfg.model
-    nodes = 1
-    while nodes <= max_nodes:
+    counts = list(range(1, 129)) + [2 ** k for k in range(8, 13)]
+    for nodes in (n for n in counts if n <= max_nodes):
         cluster = Cluster(nodes, gpus_per_node)
         world = cluster.world
         for tp in reversed(_tp_options(m, cluster)):
@@ -203,5 +204,4 @@ def smallest_fitting_cluster(cfg, hw, gpus_per_node: int, max_nodes: int = 4096)
                                 bucket_mb=cfg.parallel.bucket_mb)
                 if memory_report(m, layout, hw).fits:
                     return cluster
-        nodes *= 2
     return None
