@@ -130,11 +130,11 @@ def main(argv=None) -> None:
     lines = [
         "# Parallel layouts on CPU (gloo)",
         "",
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-        f"{torch.get_num_threads()} thread/rank, torch {torch.__version__}, "
-        f"python {platform.python_version()}; model {' '.join(MODEL)}; {' '.join(TRAIN)}; "
-        f"median of {args.steps} steps after one warm-up. Model states = params + grads + "
-        "AdamW states held by one rank after a step. Step time is the slowest rank's.",
+        (f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+         f"{torch.get_num_threads()} thread/rank, torch {torch.__version__}, "
+         f"python {platform.python_version()}; model {' '.join(MODEL)}; {' '.join(TRAIN)}; "
+         f"median of {args.steps} steps after one warm-up. Model states = params + grads + "
+         "AdamW states held by one rank after a step. Step time is the slowest rank's."),
         "",
         "| layout | ranks | step (s) | vs 1 process | model states rank 0 (MiB) | max over ranks (MiB) | peak RSS rank 0 (MiB) |",
         "|---|---|---|---|---|---|---|",

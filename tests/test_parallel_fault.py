@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
+import layout_harness as H
 import pytest
 import torch
 
-import layout_harness as H
 from giantmodel.testing import run_ranks
 
 TIMEOUT_S = 3.0

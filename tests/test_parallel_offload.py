@@ -5,10 +5,10 @@ prefetch distance, and the gradients are unchanged. The copy engine itself
 
 from __future__ import annotations
 
+import layout_harness as H
 import pytest
 import torch
 
-import layout_harness as H
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.offload import ActivationOffload
 from giantmodel.train.loss import cross_entropy_sum

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import layout_harness as H
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import layout_harness as H
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.recompute import apply_recompute
 from giantmodel.train.loss import cross_entropy_sum
@@ -47,12 +47,12 @@ def test_recompute_modes_same_grads(arch):
     full_ops, full = _backward_ops_and_grads(arch, "full")
     layers = H.make_config(arch, []).model.num_layers
     sdpa = [k for k in none_ops | full_ops if k.startswith("_scaled_dot_product") and "backward" not in k]
-    fwd_attn = lambda c: sum(c[k] for k in sdpa)  # noqa: E731
+    fwd_attn = lambda c: sum(c[k] for k in sdpa)
     # the attention core runs again in backward, once per layer, in both modes
     assert fwd_attn(none_ops) == 0
     assert fwd_attn(sel_ops) == layers and fwd_attn(full_ops) == layers
     # matmuls: selective keeps them, full recomputes the blocks' projections
-    mm = lambda c: c["mm"] + c["addmm"] + c["bmm"]  # noqa: E731
+    mm = lambda c: c["mm"] + c["addmm"] + c["bmm"]
     assert mm(sel_ops) == mm(none_ops) < mm(full_ops)
     for grads in (sel, full):
         for name, g in ref.items():

@@ -3,10 +3,10 @@ each against its closed-form theory."""
 
 from __future__ import annotations
 
+import layout_harness as H
 import pytest
 import torch
 
-import layout_harness as H
 from giantmodel.testing import run_ranks
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import layout_harness as H
 import pytest
 import torch.distributed as dist
 
-import layout_harness as H
 from giantmodel.config.errors import ConfigError
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.distributed.placement import validate_placement

@@ -61,7 +61,8 @@ class CommConfig:
     ~/.cache/giantmodel/autotune."""
 
     bucket_mb: float = 0.0
-    """DDP gradient bucket size in MiB. 0 = the tuned value (25 untuned)."""
+    """Pin the gradient bucket size (MiB) that the giant backend's tuner
+    writes into parallel.bucket_mb; 0 = measure it (25 when autotune is off)."""
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:

@@ -32,9 +32,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (number of stages per model replica)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = "1f1b"
-    """Pipeline schedule; interleaved and zero-bubble schedules need pp_virtual > 1."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs pp_virtual >= 2), zero_bubble (interleaved zero-bubble; any pp_virtual) or zbv (V-shaped zero-bubble; pp_virtual = 2)."""
     pp_virtual: int = 1
-    """Virtual stages (model chunks) per pipeline rank, for interleaved schedules."""
+    """Virtual stages (model chunks) per pipeline rank, for interleaved_1f1b, zero_bubble and zbv."""
     pp_layers: list[int] | None = None
     """Hand-made split: transformer layers per stage (pp*pp_virtual entries); null balances by cost."""
     pp_microbatches: int | None = None

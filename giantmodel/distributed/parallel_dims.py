@@ -45,7 +45,7 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg, world_size: int) -> ParallelDims:
         """Resolve ``parallel.dp = -1``, split dp into replicate x shard by the
         ZeRO stage and hybrid group, and validate the whole layout."""
         p = cfg.parallel

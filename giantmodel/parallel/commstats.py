@@ -11,6 +11,7 @@ Those are the quantities the textbook volume formulas are written in.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import ClassVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,7 +69,7 @@ class CommCounter(TorchDispatchMode):
     # DTensor issues some collectives from inside its op handlers (e.g.
     # loss_parallel's all-reduces), where a dispatch mode does not see them;
     # the functional-collective entry points are wrapped to catch those.
-    _FUNCOL = {
+    _FUNCOL: ClassVar[dict[str, tuple[str, int | None]]] = {
         "all_reduce": ("all_reduce", 1),
         "all_gather_tensor": ("all_gather", None),
         "all_gather_single": ("all_gather", None),

@@ -203,7 +203,7 @@ class _ParamList(nn.Module):
         super().__init__()
         self._params = params
 
-    def parameters(self, recurse: bool = True):  # noqa: D401 - nn.Module API
+    def parameters(self, recurse: bool = True):
         return iter(self._params)
 
 
@@ -215,8 +215,8 @@ def apply_fsdp(model: nn.Module, dims, cfg) -> None:
     mesh = fsdp_mesh(dims)
     mp = _mixed_precision(cfg.precision)
     reshard = cfg.parallel.zero == 3
-    kw = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mp or MixedPrecisionPolicy())
-    for name, block in model.layers.items():
+    kw = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp or MixedPrecisionPolicy()}
+    for block in model.layers.values():
         fully_shard(block, **kw)
     tied = cfg.model.tie_embeddings
     emb = [m for m in (getattr(model, "tok_embeddings", None),

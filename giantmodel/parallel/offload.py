@@ -20,7 +20,7 @@ from torch import nn
 
 
 class _Slot:
-    __slots__ = ("host", "device_copy", "ready", "device")
+    __slots__ = ("device", "device_copy", "host", "ready")
 
     def __init__(self, host: torch.Tensor, device: torch.device, ready):
         self.host, self.device, self.ready = host, device, ready
@@ -112,7 +112,7 @@ class ActivationOffload:
             torch.cuda.current_stream().wait_event(slot.ready)
         return slot.device_copy
 
-    def _fetch(self, gen: "_Generation", block: int) -> None:
+    def _fetch(self, gen: _Generation, block: int) -> None:
         if block in gen.fetched:
             return
         gen.fetched.add(block)

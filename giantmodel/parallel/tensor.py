@@ -21,8 +21,12 @@ from torch import nn
 
 def _block_plan(sp: bool, rope: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     # Under sp the residual stream stays a DTensor (global shape), so the
     # model still sees the full sequence length when it indexes RoPE.
@@ -55,9 +59,13 @@ def _block_plan(sp: bool, rope: bool) -> dict:
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     """Shard ``model`` (a whole model or a pipeline stage) in place over ``tp_mesh``."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     residual = Shard(1) if sp else Replicate()
     top: dict = {}

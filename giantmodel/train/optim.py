@@ -60,3 +60,27 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg, total_steps) / cfg.lr)
+
+
+class SchedulerState:
+    """Checkpoint view of an LR schedule: only its position.
+
+    LambdaLR's own state holds one entry per optimizer param group, and how
+    many groups there are depends on the parallel layout (sharded optimizers
+    split them by tensor kind). The position is all a schedule needs, so
+    saving only it lets a run resume under any layout."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.scheduler.last_epoch,
+                "step_count": self.scheduler._step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self.scheduler
+        s.last_epoch = int(state["last_epoch"])
+        s._step_count = int(state["step_count"])
+        for group, base, fn in zip(s.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+            group["lr"] = base * fn(s.last_epoch)
+        s._last_lr = [g["lr"] for g in s.optimizer.param_groups]

@@ -22,7 +22,7 @@ from giantmodel.distributed.init import (init_distributed, pick_device, shutdown
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.metrics.flops import flops_per_token, peak_flops
 from giantmodel.metrics.logger import MetricsLogger
-from giantmodel.train.optim import build_scheduler
+from giantmodel.train.optim import SchedulerState, build_scheduler
 from giantmodel.train.precision import Precision
 
 log = logging.getLogger("giantmodel")
@@ -70,6 +70,7 @@ class Trainer:
                          self.device, self.info)
         if self.info.world_size > 1:
             self.dims.build_mesh(self.device.type)
+            self._tune_buckets()
         torch.manual_seed(cfg.train.seed)
 
         from giantmodel.parallel.engine import build_engine
@@ -88,6 +89,19 @@ class Trainer:
         self._stop_requested = False
         self._setup_checkpointing()
 
+    def _tune_buckets(self) -> None:
+        """On the giant backend, measure (or load the cached) gradient bucket
+        size for this machine, model and world, and use it for data parallelism."""
+        cfg = self.cfg
+        if cfg.comm.backend != "giant" or self.dims.dp == 1:
+            return
+        from giantmodel.comm.autotune import tune
+
+        choice = tune(self.dims.group("dp"), cfg.comm, cfg.model.name, cfg.model.num_params())
+        cfg.parallel.bucket_mb = choice.bucket_mb
+        self._print(f"comm: gradient buckets of {choice.bucket_mb:g} MiB "
+                    f"({'cached' if choice.from_cache else 'tuned' if cfg.comm.autotune else 'fixed'})")
+
     # ------------------------------------------------------------ checkpoints
     def _setup_checkpointing(self) -> None:
         from giantmodel.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState
@@ -101,7 +115,7 @@ class Trainer:
         self.ckpt_state = {
             "model": ModelState(self.engine.parts),
             "optim": OptimizerState(self.engine.parts, self.optimizer),
-            "lr": self.scheduler,
+            "lr": SchedulerState(self.scheduler),
             "data": self.train_loader,
             "rng": RNGState(),
             "trainer": self.state,
