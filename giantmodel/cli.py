@@ -85,22 +85,24 @@ def _add_generate(sub) -> None:
 
 # ---------------------------------------------------- delegated commands
 def _delegate(sub, name: str, help_text: str, module: str, add_fn: str, run_fn: str) -> None:
-    """A subcommand whose arguments and body live in another module; the
-    module is imported only when the subcommand is used."""
+    """A subcommand whose arguments and body live in ``module``. A module that
+    cannot be imported (a missing optional dependency) disables only its own
+    subcommand, with the reason, instead of the whole CLI."""
     import importlib
 
     p = sub.add_parser(name, help=help_text, description=help_text)
     try:
         mod = importlib.import_module(module)
-    except ImportError as e:  # keep the rest of the CLI usable
-        p.set_defaults(func=lambda args: _unavailable(name, e))
+    except ImportError as e:
+        reason = str(e)
+        p.set_defaults(func=lambda args: _unavailable(name, reason))
         return
     getattr(mod, add_fn)(p)
     p.set_defaults(func=getattr(mod, run_fn))
 
 
-def _unavailable(name: str, err: Exception) -> int:
-    print(f"error: 'giantmodel {name}' is unavailable: {err}", file=sys.stderr)
+def _unavailable(name: str, reason: str) -> int:
+    print(f"error: 'giantmodel {name}' is unavailable: {reason}", file=sys.stderr)
     return 2
 
 

@@ -31,13 +31,6 @@ from giantmodel.models import build_model, init_weights
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: a second intra-op thread only adds spin-waiting on a busy host.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_cfg(**kw) -> ModelConfig:

@@ -20,12 +20,6 @@ from giantmodel.config.train import CheckpointConfig
 from giantmodel.models import build_model, init_weights
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_convert(*argv) -> int:

@@ -10,7 +10,7 @@ from giantmodel.config.errors import ConfigError
 from giantmodel.data.build import build_loaders, build_samples, vocab_size_of
 from giantmodel.data.config import DataConfig
 from giantmodel.data.indexed import IndexedDatasetWriter
-from giantmodel.data.loader import TrainLoader, ValLoader
+from giantmodel.data.loader import TrainLoader
 from giantmodel.data.samples import BlendedSamples, PackedTokens, SyntheticSamples
 
 EOS = 1

@@ -16,13 +16,6 @@ from giantmodel.models.hf import from_hf, hf_config_to_model_config, load_hf_int
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: a second intra-op thread only adds spin-waiting on a busy host.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _llama(**overrides):

@@ -28,7 +28,6 @@ BAD = [
      "train.global_batch_size"),
     (["parallel.zero=3", "parallel.shard_group_size=3"], 4, "parallel.shard_group_size"),
     (["parallel.placement=[0,1,1,3]"], 4, "parallel.placement"),
-    (["parallel.cp=2", "parallel.cp_method=ring"], 2, "parallel.cp_method"),
 ]
 
 
@@ -40,6 +39,12 @@ def test_bad_layout_refused_before_process_group(overrides, world, key):
         ParallelDims.from_config(cfg, world)
     assert err.value.key == key, str(err.value)
     assert not dist.is_initialized()
+
+
+def test_unimplemented_cp_method_refused_at_load():
+    with pytest.raises(ConfigError) as err:
+        H.make_config("llama", ["parallel.cp=2", "parallel.cp_method=ring"])
+    assert err.value.key == "parallel.cp_method"
 
 
 def test_dp_minus_one_fills_world():

@@ -41,8 +41,8 @@ class ParallelConfig:
     """Micro-batches per pipeline step; null derives it from train.global_batch_size / (micro_batch_size * dp)."""
     cp: int = 1
     """Context-parallel degree: splits the sequence of causal attention across ranks."""
-    cp_method: Literal["allgather", "ring"] = "allgather"
-    """How context-parallel attention exchanges K/V."""
+    cp_method: Literal["allgather"] = "allgather"
+    """How context-parallel attention exchanges K/V: all-gather of K/V with causal load balancing."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB (zero 0-2)."""
     placement: list[int] | None = None

@@ -12,7 +12,7 @@ from giantmodel.config.errors import ConfigError
 class TrainConfig:
     """Length and shape of the training run."""
 
-    steps: int = 300
+    steps: int = 200
     """Optimizer steps to run."""
     global_batch_size: int = 16
     """Sequences per optimizer step, summed over data-parallel ranks and micro-batches."""
@@ -57,7 +57,7 @@ class OptimConfig:
     """Peak learning rate."""
     min_lr: float = 3e-4
     """Floor of the decay (cosine, linear, wsd)."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Linear warm-up from 0 to lr over this many steps."""
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """Decay after warm-up; wsd holds lr then decays linearly over the last decay_fraction of steps."""

@@ -117,24 +117,20 @@ class ParallelDims:
         self._validate_batch(cfg)
 
     def _validate_batch(self, cfg) -> None:
-        t, p = cfg.train, cfg.parallel
+        t = cfg.train
         per_step = t.micro_batch_size * self.dp
         if t.global_batch_size % per_step:
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                 f"micro_batch_size*dp = {t.micro_batch_size}*{self.dp} = {per_step}",
                 "train.global_batch_size")
-        n_micro = t.global_batch_size // per_step
         if self.pp > 1:
-            if p.pp_schedule != "gpipe" and n_micro < self.pp:
-                raise ConfigError(
-                    f"{n_micro} micro-batches per step is fewer than parallel.pp={self.pp} "
-                    f"stages, which {p.pp_schedule} needs; raise train.global_batch_size or "
-                    "lower train.micro_batch_size", "train.global_batch_size")
-            if p.pp_virtual > 1 and n_micro % self.pp:
-                raise ConfigError(
-                    f"interleaved schedules need micro-batches per step ({n_micro}) to be a "
-                    f"multiple of parallel.pp={self.pp}", "train.global_batch_size")
+            # Schedule, micro-batch (incl. parallel.pp_microbatches) and
+            # placement checks of the pipeline, all before any process group.
+            from giantmodel.parallel.pipeline_split import (check_pipeline_placement,
+                                                            validate_pipeline)
+            validate_pipeline(cfg, self.pp, self.dp)
+            check_pipeline_placement(self)
 
     def microbatches(self, cfg) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""

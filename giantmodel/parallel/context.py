@@ -36,10 +36,12 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable all-gather of [B, H, t, D] along t (backward: reduce-scatter)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    import torch.distributed._functional_collectives as funcol
 
+    # torch >= 2.13 names it all_gather_single_autograd; older ones, ..._tensor_...
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     # The collective concatenates along dim 0: put t there, gather, move back.
-    stacked = all_gather_tensor_autograd(x.movedim(2, 0).contiguous(), 0, group)
+    stacked = gather(x.movedim(2, 0).contiguous(), 0, group)
     return stacked.movedim(0, 2)  # [B, H, world*t, D], rank-major blocks
 
 
