@@ -4,7 +4,7 @@ Figures are vendor datasheet peaks (dense, no sparsity) for the SXM/OAM parts
 unless the name says otherwise. Link bandwidths are per GPU and per direction,
 which is what a ring or tree collective can drive. The ``*_efficiency``
 fields say which share of a peak real kernels reach; they are the only tuned
-numbers in the planner and are stated in ``benchmarks/results/planner.md``.
+numbers in the planner and are stated in ``benchmarks/RESULTS.md`` (Planner section).
 """
 
 from __future__ import annotations
