@@ -125,3 +125,17 @@ def test_weight_decay_skips_norms_and_biases(tmp_path):
     t.close()
     assert groups[0]["weight_decay"] > 0 and all(p.dim() >= 2 for p in groups[0]["params"])
     assert groups[1]["weight_decay"] == 0 and all(p.dim() == 1 for p in groups[1]["params"])
+
+
+@pytest.mark.timeout(300)
+def test_compiled_blocks_train_like_eager_and_keep_parameter_names(tmp_path):
+    losses, names = {}, {}
+    for flag in ("false", "true"):
+        t = Trainer(cfg_for(tmp_path / flag, "train.steps=2", f"train.compile={flag}"))
+        losses[flag] = [t.train_step()["loss"] for _ in range(2)]
+        names[flag] = [n for n, _ in t.engine.parts[0].named_parameters()]
+        compiled = t.engine.parts[0].layers["0"]._compiled_call_impl is not None
+        t.close()
+        assert compiled == (flag == "true")
+    assert names["true"] == names["false"]  # checkpoints stay interchangeable
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)

@@ -8,7 +8,8 @@ subset), still on the meta device, and applies, in order:
 2. context-parallel attention (``parallel.cp``);
 3. activation recomputation (``recompute``) and activation offload
    (``offload.activations``; a no-op for tensors already in host memory);
-4. FSDP2 for ``parallel.zero`` 2 and 3 (zero 0/1 are handled after the
+4. ``torch.compile`` of each transformer block (``train.compile``);
+5. FSDP2 for ``parallel.zero`` 2 and 3 (zero 0/1 are handled after the
    backward by :class:`giantmodel.parallel.data.DataParallel`).
 
 Then call ``init_weights`` on the result: every layout starts from the
@@ -41,6 +42,11 @@ def parallelize_chunk(module: nn.Module, dims, cfg) -> nn.Module:
         from giantmodel.parallel.offload import apply_offload
 
         apply_offload(module, cfg.offload.prefetch_layers)
+    if cfg.train.compile:
+        # Per block, in place: identical blocks share one compiled graph, and
+        # Module.compile() keeps parameter names (and so checkpoints) unchanged.
+        for block in module.layers.values():
+            block.compile()
     if cfg.parallel.zero >= 2 and dims.dp * dims.cp > 1:
         apply_fsdp(module, dims, cfg)
     return module
