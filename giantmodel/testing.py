@@ -15,6 +15,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -56,17 +57,46 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                 pass
 
 
+class RankFailure(RuntimeError):
+    """A rank raised or died. ``peer_exit_codes`` holds the other ranks' exit
+    codes (negative: killed by that signal; None: still running)."""
+
+    def __init__(self, message: str, peer_exit_codes: dict[int, int | None]):
+        super().__init__(message)
+        self.peer_exit_codes = peer_exit_codes
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
               backend: str | None = "gloo", env: dict | None = None,
-              pg_timeout: float = 60) -> list[Any]:
+              pg_timeout: float = 60, retry_native_crash: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (a module-level function). With ``backend`` set,
     the default process group is initialised first. Returns the per-rank
-    results in rank order. Raises ``RuntimeError`` with the failing rank's
-    traceback, or ``TimeoutError`` after ``timeout`` seconds; either way every
-    rank is killed before returning.
+    results in rank order. Raises :class:`RankFailure` with the failing rank's
+    traceback and its peers' exit codes, or ``TimeoutError`` after ``timeout``
+    seconds; either way every rank is killed before returning.
+
+    ``retry_native_crash`` reruns the whole group once, with a warning, when
+    a rank failed because a peer was killed by a signal (a native crash in
+    the transport, not a Python error). A peer that exited normally, or a
+    Python exception, is never retried, so a rank that skipped or reordered
+    a collective still fails the test.
     """
+    try:
+        return _run_once(fn, world_size, args, timeout, backend, env, pg_timeout)
+    except RankFailure as e:
+        crashed = {r: c for r, c in e.peer_exit_codes.items() if c is not None and c < 0}
+        if not (retry_native_crash and crashed):
+            raise
+        warnings.warn(f"run_ranks: ranks {sorted(crashed)} were killed by signals "
+                      f"{sorted(set(crashed.values()))}; rerunning once. First failure:\n{e}",
+                      RuntimeWarning, stacklevel=2)
+        return _run_once(fn, world_size, args, timeout, backend, env, pg_timeout)
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float,
+              backend: str | None, env: dict | None, pg_timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -97,13 +127,17 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
                     while not queue.empty():
                         rank, ok, value = queue.get()
                         if not ok:
-                            raise RuntimeError(f"rank {rank} failed:\n{value}")
+                            raise RankFailure(f"rank {rank} failed:\n{value}",
+                                              _peer_exit_codes(procs, rank))
                         results[rank] = pickle.loads(value)
-                    raise RuntimeError(f"ranks {dead} exited with codes "
-                                       f"{[procs[r].exitcode for r in dead]}")
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RankFailure(f"ranks {dead} exited with codes {codes}", codes)
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                codes = _peer_exit_codes(procs, rank)
+                raise RankFailure(f"rank {rank} failed:\n{value}\n(other ranks' exit codes: "
+                                  f"{codes}; negative = killed by that signal, None = running)",
+                                  codes)
             results[rank] = pickle.loads(value)
     finally:
         for p in procs:
@@ -113,6 +147,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
+
+
+def _peer_exit_codes(procs, failed: int) -> dict[int, int | None]:
+    """Exit codes of the other ranks, after a moment for them to finish: a
+    rank that failed only because a peer vanished points at that peer, and a
+    negative code names the signal that killed it (-11 is SIGSEGV)."""
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    return {r: p.exitcode for r, p in enumerate(procs) if r != failed}
 
 
 def scratch_dir(prefix: str = "giantmodel-") -> str:
