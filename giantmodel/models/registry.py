@@ -97,16 +97,12 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int,
             continue
         seen.add(id(p))
         name = canonical_name(fqn)
-        copy_full_into(p, full_init_tensor(name, _full_shape(p), cfg, seed))
+        # A DTensor's .shape is its global shape: the full tensor is drawn.
+        copy_full_into(p, full_init_tensor(name, p.shape, cfg, seed))
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(device=device)
     return model
-
-
-def _full_shape(p: torch.Tensor) -> torch.Size:
-    from torch.distributed.tensor import DTensor
-    return p.shape if not isinstance(p, DTensor) else p.size()  # DTensor.size() is global
 
 
 def count_params(model: nn.Module) -> int:

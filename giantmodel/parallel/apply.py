@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from giantmodel.train.loss import IGNORE_INDEX
+from giantmodel.train.loss import IGNORE_INDEX, cross_entropy_sum
 
 
 def parallelize_chunk(module: nn.Module, dims, cfg) -> nn.Module:
@@ -61,18 +61,16 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     all-reduced; the [B, T, V] logits never are). Call it, and run backward,
     inside :func:`loss_context`. The returned sum is a plain tensor either way.
     """
-    count = (labels != IGNORE_INDEX).sum()
     if hasattr(logits, "placements"):
         from torch.distributed.tensor import DTensor, Replicate
 
+        count = (labels != IGNORE_INDEX).sum()
         labels_dt = DTensor.from_local(labels.reshape(-1), logits.device_mesh,
                                        [Replicate()] * logits.device_mesh.ndim)
         loss = F.cross_entropy(logits.float().flatten(0, -2), labels_dt,
                                ignore_index=IGNORE_INDEX, reduction="sum")
         return loss.to_local(), count
-    loss = F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, count
+    return cross_entropy_sum(logits, labels)
 
 
 def loss_context(dims):
