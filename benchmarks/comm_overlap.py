@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -79,8 +78,8 @@ def _worker(rank: int, world: int, spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     cases = {"gloo": _setup(dist.new_group(backend="gloo"), None, spec),
              "giant": _setup(dist.new_group(backend="giant"), None, spec)}
-    os.environ["GIANTMODEL_COMM_PRIORITY"] = "1"
-    cases["giant+priority"] = _setup(dist.new_group(backend="giant"),
+    cases["giant+priority"] = _setup(dist.new_group(backend="giant",
+                                                    pg_options=comm.GiantOptions(priority=True)),
                                      priority_allreduce_hook, spec)
     times = {name: {k: [] for k in ("compute", "comm", "step")} for name in cases}
     # Interleaved so that load from other processes hits every cell alike.

@@ -74,7 +74,7 @@ def measure(overrides, steps):
 
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     cfg = _config([o for o in overrides if o != NO_OVERLAP])
     world = dist.get_world_size() if dist.is_initialized() else 1

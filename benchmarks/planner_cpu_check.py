@@ -26,7 +26,7 @@ from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.measure import LiveStorageCounter
 from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
-from giantmodel.train.loss import cross_entropy_sum
+from giantmodel.core.loss import cross_entropy_sum
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.schema import JobConfig
-from giantmodel.parallel.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
+from giantmodel.core.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
 from giantmodel.planner.hardware import get_profile
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import memory_report

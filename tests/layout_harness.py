@@ -86,7 +86,7 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu") -> dict:
 
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_config(cfg, world)

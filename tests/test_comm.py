@@ -7,13 +7,13 @@ rank costs seconds to start on a small host.
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from giantmodel.comm import CommConfig, _lib, backend_for, register_backend
+from giantmodel.comm import GiantOptions, _lib, backend_for, register_backend
+from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.testing import run_ranks
 
@@ -169,9 +169,7 @@ def _ops_worker(rank, world):
             dist.recv(t, src=0, group=giant)
             assert torch.all(t == 10)
     # priority mode: rank 0 picks the order, all ranks follow it
-    os.environ["GIANTMODEL_COMM_PRIORITY"] = "1"
-    prio = dist.new_group(backend="giant")
-    del os.environ["GIANTMODEL_COMM_PRIORITY"]
+    prio = dist.new_group(backend="giant", pg_options=GiantOptions(priority=True))
     assert prio._engine.priority_mode
     ts = [torch.full((50_000,), float(rank * (i + 1))) for i in range(6)]
     works = [prio.allreduce([t], priority=i % 3) for i, t in enumerate(ts)]
@@ -180,9 +178,7 @@ def _ops_worker(rank, world):
     for i, t in enumerate(ts):
         assert torch.all(t == sum(r * (i + 1) for r in range(world))), f"priority job {i}"
     # without the C++ core every op is delegated to gloo, still exact
-    os.environ["GIANTMODEL_COMM_DISABLE"] = "1"
-    plain = dist.new_group(backend="giant")
-    del os.environ["GIANTMODEL_COMM_DISABLE"]
+    plain = dist.new_group(backend="giant", pg_options=GiantOptions(accelerate=False))
     assert not plain.accelerated
     t = torch.full((11,), float(rank))
     dist.all_reduce(t, group=plain)
@@ -204,7 +200,7 @@ def _hier_worker(rank, world, cache_dir):
     from giantmodel.comm import autotune
 
     register_backend()
-    giant = dist.new_group(backend="giant")
+    giant = dist.new_group(backend="giant", pg_options=GiantOptions(node_size=2))
     topo = giant.topology
     assert topo.num_nodes == 2 and topo.local_size == 2 and topo.hierarchical
     for dtype in (torch.float32, torch.bfloat16):
@@ -238,8 +234,7 @@ def _hier_worker(rank, world, cache_dir):
 @needs_core
 @pytest.mark.timeout(120)
 def test_hierarchical_two_emulated_nodes_and_autotune_cache(tmp_path):
-    res = run_ranks(_hier_worker, 4, str(tmp_path), timeout=110,
-                    env={"GIANTMODEL_COMM_NODE_SIZE": "2"})
+    res = run_ranks(_hier_worker, 4, str(tmp_path), timeout=110)
     first, second, third, b1, b2, same_chunk, n_measured = res[0]
     assert (first, second, third) == (False, True, False)
     assert b1 == b2 and same_chunk and n_measured >= 5
@@ -259,15 +254,13 @@ def test_config_validation_names_the_key():
         assert exc.value.key == key
 
 
-def test_backend_for_and_registration(monkeypatch):
-    assert backend_for(CommConfig(), "cpu") == "gloo"
-    assert backend_for(CommConfig(), "cuda") == "nccl"
+def test_backend_for_and_registration():
+    assert backend_for(CommConfig(), "cpu") == ("gloo", None)
+    assert backend_for(CommConfig(), "cuda") == ("nccl", None)
     with pytest.raises(ConfigError):
         backend_for(CommConfig(backend="nccl"), "cpu")
-    for key in CommConfig(backend="giant").to_env():
-        monkeypatch.setenv(key, "0")  # restored (or removed) after the test
-    assert backend_for(CommConfig(backend="giant", node_size=2), "cpu") == "giant"
-    assert os.environ["GIANTMODEL_COMM_NODE_SIZE"] == "2"
+    name, options = backend_for(CommConfig(backend="giant", node_size=2, chunk_kb=512), "cpu")
+    assert name == "giant" and options == GiantOptions(node_size=2, chunk_bytes=512 * 1024)
     register_backend()
     register_backend()  # idempotent
     assert "giant" in dist.Backend.backend_list

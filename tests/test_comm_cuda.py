@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from giantmodel.comm import _lib, register_backend
+from giantmodel.comm import GiantOptions, _lib, register_backend
 from giantmodel.testing import run_ranks
 
 register_backend()
@@ -22,11 +22,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or _lib.load() is 
 
 
 def _worker(rank: int, world: int) -> dict:
-    import os
-
-    os.environ["GIANTMODEL_COMM_CUDA_CPU_REDUCE"] = "1"
-    os.environ["GIANTMODEL_COMM_CHUNK_KB"] = "1024"
-    giant = dist.new_group(backend="giant")
+    giant = dist.new_group(backend="giant", pg_options=GiantOptions(cuda_cpu_reduce=True,
+                                                                    chunk_bytes=1 << 20))
     dev = torch.device("cuda", 0)
     for dtype in (torch.float32, torch.bfloat16):
         for n in (0, 1, 1001, 10_000_000):

@@ -27,8 +27,6 @@ VICTIM = WORLD - 1
 
 
 def _worker(rank: int, port: int, queue) -> None:
-    for key in [k for k in os.environ if k.startswith("GIANTMODEL_COMM_")]:
-        del os.environ[key]  # one flat shared-memory group, whatever the caller set
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist

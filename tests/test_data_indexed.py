@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from giantmodel.config.errors import ConfigError, UserInputError
-from giantmodel.data.config import DataConfig
+from giantmodel.config.data import DataConfig
+from giantmodel.data.checks import check_data
 from giantmodel.data.indexed import (IndexedDataset, IndexedDatasetWriter, read_index_header,
                                      token_dtype)
 
@@ -102,7 +103,7 @@ def test_truncated_and_corrupt_files_give_clear_errors(tmp_path):
 def test_config_validation_names_key_and_path(tmp_path):
     cfg = DataConfig(source="indexed", paths=[str(tmp_path / "missing")], tokenizer="x.model")
     with pytest.raises(ConfigError) as e:
-        cfg.validate()
+        check_data(cfg)
     assert e.value.key == "data.paths" and "missing.idx does not exist" in str(e.value)
     assert "giantmodel preprocess" in str(e.value)
     _write(tmp_path / "ok")
@@ -110,10 +111,10 @@ def test_config_validation_names_key_and_path(tmp_path):
     (tmp_path / "trunc.idx").write_bytes((tmp_path / "ok.idx").read_bytes()[:40])
     cfg = DataConfig(source="indexed", paths=[str(tmp_path / "trunc")], tokenizer="x.model")
     with pytest.raises(ConfigError, match="truncated"):
-        cfg.validate()
+        check_data(cfg)
     cfg = DataConfig(source="indexed", paths=[str(tmp_path / "ok")], tokenizer=str(tmp_path / "t.model"))
     with pytest.raises(ConfigError) as e:
-        cfg.validate()
+        check_data(cfg)
     assert e.value.key == "data.tokenizer" and "t.model does not exist" in str(e.value)
     for bad, key in ((dict(source="nope"), "data.source"),
                      (dict(source="indexed"), "data.paths"),

@@ -19,7 +19,7 @@ def _train_until_peer_fails(rank, world, mode):
 
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     cfg = H.make_config("llama", ["parallel.dp=1", "parallel.tp=2", f"parallel.timeout_s={TIMEOUT_S}"])
     dims = ParallelDims.from_config(cfg, world)

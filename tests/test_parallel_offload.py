@@ -11,7 +11,7 @@ import torch
 
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.offload import ActivationOffload
-from giantmodel.train.loss import cross_entropy_sum
+from giantmodel.core.loss import cross_entropy_sum
 
 
 def _grads(offload_prefetch: int | None):

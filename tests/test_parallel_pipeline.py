@@ -15,7 +15,7 @@ import torch
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.parallel.pipeline_split import (
+from giantmodel.core.pipeline_split import (
     balanced_split,
     check_pipeline_placement,
     head_cost,
@@ -23,7 +23,7 @@ from giantmodel.parallel.pipeline_split import (
     layers_per_stage,
     stage_ids_for_rank,
     stage_owner,
-    validate_pipeline,
+    plan_pipeline,
 )
 from giantmodel.testing import run_ranks
 
@@ -59,7 +59,7 @@ def stage_layout(rank: int, world: int, cases: list) -> list:
     """Which stages and parameters each rank holds, and eval under pp."""
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     out = []
     for arch, overrides in cases:
@@ -82,7 +82,7 @@ def _layers(names: list[str]) -> set[int]:
 def reference_eval(arch: str) -> float:
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     cfg = H.make_config(arch, [])
     engine = build_engine(cfg, ParallelDims(world_size=1), torch.device("cpu"))
@@ -184,12 +184,13 @@ def test_layers_per_stage_uses_cost_model_and_manual_override():
     cfg = H.make_config("llama", ["model.num_layers=8", "model.vocab_size=32768"])
     per_layer, head = layer_cost(cfg.model, cfg.train.seq_len), head_cost(cfg.model)
     assert head > 2 * per_layer  # the big vocabulary makes the head cost several layers
-    counts = layers_per_stage(cfg, 2)
+    counts = layers_per_stage(cfg.model, seq_len=cfg.train.seq_len, num_stages=2)
     assert sum(counts) == 8 and counts[0] > counts[1]
     cfg = H.make_config("llama", ["model.num_layers=8", "parallel.pp_layers=[1,3,3,1]"])
-    assert layers_per_stage(cfg, 4) == [1, 3, 3, 1]
+    split = {"seq_len": cfg.train.seq_len, "pp_layers": cfg.parallel.pp_layers}
+    assert layers_per_stage(cfg.model, num_stages=4, **split) == [1, 3, 3, 1]
     with pytest.raises(ConfigError, match="parallel.pp_layers"):
-        layers_per_stage(cfg, 2)
+        layers_per_stage(cfg.model, num_stages=2, **split)
 
 
 def test_stage_placement_loop_and_v():
@@ -201,6 +202,10 @@ def test_stage_placement_loop_and_v():
         for r in range(4):
             for s in stage_ids_for_rank(r, 4, 2, schedule):
                 assert stage_owner(s, 4, schedule) == r
+
+
+def validate_pipeline(cfg, pp, dp):
+    return plan_pipeline(model=cfg.model, train=cfg.train, parallel=cfg.parallel, pp=pp, dp=dp)
 
 
 def test_pipeline_validation_names_the_keys():
@@ -224,10 +229,10 @@ def test_pipeline_validation_names_the_keys():
         validate_pipeline(cfg, 2, 1)
     # Stage order must follow rank order inside each pipeline group.
     check_pipeline_placement(ParallelDims(world_size=4, dp_replicate=2, pp=2,
-                                          placement=[1, 0, 3, 2]))
+                                          placement=[1, 0, 3, 2]).mesh_layout(), 2)
     with pytest.raises(ConfigError, match="parallel.placement"):
         check_pipeline_placement(ParallelDims(world_size=4, dp_replicate=2, pp=2,
-                                              placement=[3, 0, 2, 1]))
+                                              placement=[3, 0, 2, 1]).mesh_layout(), 2)
 
 
 # ------------------------------------------------------------ dead peer
@@ -241,7 +246,7 @@ def _train_with_stuck_peer(rank: int, world: int) -> dict | None:
 
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     cfg = H.make_config("llama", _pp("1f1b", 1, f"parallel.timeout_s={FAULT_TIMEOUT_S}"))
     dims = ParallelDims.from_config(cfg, world)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.recompute import apply_recompute
-from giantmodel.train.loss import cross_entropy_sum
+from giantmodel.core.loss import cross_entropy_sum
 
 
 class _OpCounter(TorchDispatchMode):

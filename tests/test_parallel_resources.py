@@ -32,7 +32,7 @@ def _zero_memory(rank, world):
     AdamW states, for zero 0..3 at dp=world."""
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     out = {}
     for zero in (0, 1, 2, 3):
@@ -85,7 +85,7 @@ def _comm_volume(rank, world):
     from giantmodel.distributed.parallel_dims import ParallelDims
     from giantmodel.parallel.commstats import CommCounter
     from giantmodel.parallel.engine import build_engine
-    from giantmodel.train.precision import Precision
+    from giantmodel.core.precision import Precision
 
     out = {}
     for name, overrides in (("dp", ["parallel.dp=2", "parallel.zero=0", "parallel.bucket_mb=0.1"]),

@@ -8,8 +8,8 @@ import torch
 
 from giantmodel.config import load_config
 from giantmodel.config.train import OptimConfig
-from giantmodel.train.optim import lr_at
-from giantmodel.train.precision import Precision
+from giantmodel.core.optim import lr_at
+from giantmodel.core.precision import Precision
 from giantmodel.train.trainer import Trainer, run_training
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",

@@ -8,11 +8,15 @@ compilation, no process group, nothing slow happens at import.
 
 from __future__ import annotations
 
-import os
+import shutil
 
-from giantmodel.comm.config import CommConfig
+from giantmodel.comm import _lib
+from giantmodel.comm.backend import create_giant_backend
+from giantmodel.comm.settings import GiantOptions
+from giantmodel.config.comm import CommConfig
+from giantmodel.config.errors import ConfigError
 
-__all__ = ["BACKEND_NAME", "CommConfig", "backend_for", "extension_status", "register_backend"]
+__all__ = ["BACKEND_NAME", "GiantOptions", "backend_for", "extension_status", "register_backend"]
 
 BACKEND_NAME = "giant"
 
@@ -26,34 +30,27 @@ def register_backend() -> None:
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
 
-    def _create(dist_opts, backend_opts=None):
-        from giantmodel.comm.backend import create_giant_backend
-
-        return create_giant_backend(dist_opts, backend_opts)
-
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+    dist.Backend.register_backend(BACKEND_NAME, create_giant_backend, extended_api=True,
                                   devices=["cpu", "cuda"])
 
 
-def backend_for(cfg: CommConfig, device_type: str) -> str:
-    """The backend name to pass to ``init_process_group`` for ``cfg``.
+def backend_for(cfg: CommConfig, device_type: str) -> tuple[str, GiantOptions | None]:
+    """The backend name and ``pg_options`` to pass to ``init_process_group``.
 
-    "auto" means nccl on CUDA and gloo otherwise. For "giant" this also
-    exports the config's tuning fields (``GIANTMODEL_COMM_*``) so the backend
-    that torch creates in this process, and ranks it spawns, read them.
+    "auto" means nccl on CUDA and gloo otherwise. For "giant" the options
+    carry the config's tuning fields to the backend torch creates; its
+    sub-groups inherit them.
     """
     cfg.validate()
     if cfg.backend == "auto":
-        return "nccl" if device_type == "cuda" else "gloo"
+        return ("nccl" if device_type == "cuda" else "gloo"), None
     if cfg.backend == "nccl" and device_type != "cuda":
-        from giantmodel.config.errors import ConfigError
-
         raise ConfigError(f"nccl needs CUDA but the device is {device_type!r}; use "
                           "comm.backend=gloo, giant or auto", key="comm.backend")
     if cfg.backend == BACKEND_NAME:
         register_backend()
-        os.environ.update(cfg.to_env())
-    return cfg.backend
+        return cfg.backend, GiantOptions.from_config(cfg)
+    return cfg.backend, None
 
 
 def extension_status() -> str:
@@ -61,8 +58,6 @@ def extension_status() -> str:
 
     Never compiles anything; cheap enough for ``giantmodel version``.
     """
-    from giantmodel.comm import _lib
-
     lib = _lib._state.get("lib")
     if lib is not None:
         return f"loaded ({lib._name}, {lib.gm_isa().decode()} kernels)"
@@ -72,8 +67,6 @@ def extension_status() -> str:
     cached = sorted((_lib.cache_dir() / "comm").glob("libgiant_shm-*.so"))
     if cached:
         return f"built on first use ({cached[-1]})"
-    import shutil
-
     if (_lib._CSRC / "giant_shm.cpp").exists() and (shutil.which("g++") or shutil.which("c++")):
         return "not built; compiles on first use (or run `python csrc/build_ext.py`)"
     return "missing: collectives are delegated to gloo/NCCL"

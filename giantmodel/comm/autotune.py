@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from giantmodel.comm.config import CommConfig
+from giantmodel.config.comm import CommConfig
 
 DEFAULT_BUCKET_MB = 25.0
 BUCKET_CANDIDATES_MB = (1.0, 4.0, 16.0, 25.0, 64.0)

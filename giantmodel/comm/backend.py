@@ -28,7 +28,7 @@ from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from giantmodel.comm import _lib
-from giantmodel.comm.config import BackendSettings, default_chunk_bytes
+from giantmodel.comm.settings import GiantOptions, default_chunk_bytes
 from giantmodel.comm.engine import Engine
 from giantmodel.comm.hierarchical import HierarchicalAllReduce
 from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
@@ -61,9 +61,9 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta,
                  global_ranks: list[int] | None = None,
-                 settings: BackendSettings | None = None):
+                 settings: GiantOptions | None = None):
         super().__init__(rank, size)
-        self._settings = settings or BackendSettings.from_env()
+        self._settings = settings or GiantOptions()
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
                                self._gloo)
@@ -76,9 +76,7 @@ class GiantProcessGroup(dist.ProcessGroup):
         self._cpu_reduce = None
         self._store, self._timeout, self._generation = store, timeout, 0
         self._use_hier = self.topology.hierarchical
-        # GIANTMODEL_COMM_DISABLE=1 forces pure delegation (for comparisons)
-        enabled = os.environ.get("GIANTMODEL_COMM_DISABLE", "0") != "1"
-        if enabled and _lib.load() is not None and (self.topology.num_nodes == 1
+        if self._settings.accelerate and _lib.load() is not None and (self.topology.num_nodes == 1
                                                     or self.topology.hierarchical):
             chunk = self._settings.chunk_bytes or default_chunk_bytes(
                 self.topology.local_size, os.cpu_count() or 1)
@@ -442,6 +440,19 @@ def _raise_first(futs) -> None:
 
 
 def create_giant_backend(dist_opts, backend_opts=None) -> GiantProcessGroup:
-    """Creator registered with ``torch.distributed.Backend.register_backend``."""
+    """Creator registered with ``torch.distributed.Backend.register_backend``.
+
+    ``backend_opts`` is the ``pg_options`` given to ``init_process_group`` or
+    ``new_group``; without one, a sub-group takes the default group's."""
+    settings = backend_opts if isinstance(backend_opts, GiantOptions) else _inherited_options()
     return GiantProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                             dist_opts.timeout, list(dist_opts.global_ranks_in_group or []))
+                             dist_opts.timeout, list(dist_opts.global_ranks_in_group or []),
+                             settings)
+
+
+def _inherited_options() -> GiantOptions:
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        if isinstance(default, GiantProcessGroup):
+            return default._settings
+    return GiantOptions()

@@ -130,7 +130,9 @@ def _bench_ranks(rank: int, world: int, spec: dict) -> list[dict]:
     dtype = getattr(torch, spec["dtype"])
     groups = {}
     for name in spec["backends"]:
-        groups[name] = dist.new_group(backend=name) if name == "giant" else None
+        options = comm.GiantOptions(node_size=spec["node_size"])
+        groups[name] = (dist.new_group(backend=name, pg_options=options) if name == "giant"
+                        else None)
     rows = []
     for nbytes in spec["sizes"]:
         for op in spec["ops"]:
@@ -225,12 +227,11 @@ def main(args: argparse.Namespace) -> int:
     spec = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "ops": ops,
             "backends": backends, "dtype": args.dtype, "node_size": args.node_size,
             "seconds": args.seconds}
-    env = {"GIANTMODEL_COMM_NODE_SIZE": str(args.node_size)} if args.node_size else {}
     mem = stream_bandwidth() if args.stream else {}
     load_before = os.getloadavg()[0]
     rows: list[dict] = []
     for world in (int(r) for r in args.ranks.split(",")):
-        rows += run_ranks(_bench_ranks, world, spec, timeout=args.timeout, env=env,
+        rows += run_ranks(_bench_ranks, world, spec, timeout=args.timeout,
                           pg_timeout=args.timeout)[0]
     _add_ratios(rows, mem)
     # Other work on the host skews every figure; the load average says how much.

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from giantmodel.comm.config import BackendSettings
+from giantmodel.comm.settings import GiantOptions
 from giantmodel.config.errors import ConfigError
 
 
@@ -41,7 +41,7 @@ class Topology:
 
     @classmethod
     def discover(cls, store, rank: int, size: int, global_ranks: list[int] | None,
-                 settings: BackendSettings) -> Topology:
+                 settings: GiantOptions) -> Topology:
         """Exchange a node key per rank through ``store`` and group ranks by it.
 
         The key is the host name, or, with ``node_size`` set, the global rank

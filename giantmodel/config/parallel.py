@@ -13,6 +13,8 @@ from typing import Literal
 from giantmodel.config.errors import ConfigError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+# Schedules that run several stages (model chunks) per pipeline rank.
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 
 
 @dataclass
@@ -31,7 +33,7 @@ class ParallelConfig:
     """Sequence parallelism on top of tp: norms and dropout run on sequence shards."""
     pp: int = 1
     """Pipeline-parallel degree (number of stages per model replica)."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = "1f1b"
+    pp_schedule: Literal[PP_SCHEDULES] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs pp_virtual >= 2), zero_bubble (interleaved zero-bubble; any pp_virtual) or zbv (V-shaped zero-bubble; pp_virtual = 2)."""
     pp_virtual: int = 1
     """Virtual stages (model chunks) per pipeline rank, for interleaved_1f1b, zero_bubble and zbv."""
@@ -67,11 +69,11 @@ class ParallelConfig:
             raise ConfigError("must be positive", "parallel.bucket_mb")
         if self.timeout_s <= 0:
             raise ConfigError("must be positive", "parallel.timeout_s")
-        if self.pp_virtual > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble", "zbv"):
+        if self.pp_virtual > 1 and self.pp_schedule not in MULTI_STAGE_SCHEDULES:
             raise ConfigError(
                 f"pp_virtual={self.pp_virtual} needs an interleaved schedule; set "
                 "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual")
-        if self.pp_schedule in ("interleaved_1f1b",) and self.pp > 1 and self.pp_virtual < 2:
+        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.pp_virtual < 2:
             raise ConfigError("interleaved_1f1b needs parallel.pp_virtual >= 2",
                               "parallel.pp_schedule")
         if self.pp_layers is not None and any(n < 0 for n in self.pp_layers):

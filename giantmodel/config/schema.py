@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from giantmodel.comm.config import CommConfig
+from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
 from giantmodel.config.train import (CheckpointConfig, OffloadConfig, OptimConfig,
                                      RunConfig, TrainConfig)
-from giantmodel.data.config import DataConfig
+from giantmodel.config.data import DataConfig
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "DataConfig": "giantmodel.data.config",
     "build_tokenizer": "giantmodel.data.build",
     "build_loaders": "giantmodel.data.build",
     "build_samples": "giantmodel.data.build",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.data.config import DataConfig
+from giantmodel.config.data import DataConfig
 from giantmodel.data.indexed import IndexedDataset
 from giantmodel.data.loader import TrainLoader, ValLoader, check_batch_layout
 from giantmodel.data.samples import BlendedSamples, PackedTokens, SyntheticSamples, split_documents

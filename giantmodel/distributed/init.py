@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from giantmodel.config.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class WorldInfo:
@@ -40,7 +42,6 @@ def world_info() -> WorldInfo:
 def pick_device(requested: str, info: WorldInfo) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from giantmodel.config.errors import ConfigError
             raise ConfigError("CUDA was requested but is not available; set train.device=cpu",
                               "train.device")
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
@@ -48,15 +49,18 @@ def pick_device(requested: str, info: WorldInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: str, timeout_s: float, device: torch.device, info: WorldInfo) -> None:
-    """Create the default process group when the launcher asked for several ranks."""
+def init_distributed(backend: str, timeout_s: float, device: torch.device, info: WorldInfo,
+                     pg_options=None) -> None:
+    """Create the default process group when the launcher asked for several ranks;
+    ``pg_options`` goes to the backend (the giant backend's settings)."""
     if info.world_size == 1 or dist.is_initialized():
         return
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                            rank=info.rank, world_size=info.world_size, **kwargs)
+                            rank=info.rank, world_size=info.world_size, pg_options=pg_options,
+                            **kwargs)
 
 
 def shutdown_distributed() -> None:

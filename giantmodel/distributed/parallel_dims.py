@@ -15,9 +15,15 @@ mesh positions; bandwidth-aware placement fills it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cached_property
 
-from giantmodel.config.errors import ConfigError
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from giantmodel.core.layout import resolve_dp, validate_layout, validate_placement
+from giantmodel.core.pipeline_split import PipelinePlan
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -40,6 +46,8 @@ class ParallelDims:
     """Global rank at each mesh position (row-major pp, dp_replicate, dp_shard, cp, tp); None is the identity."""
     timeout_s: float | None = None
     """Collective timeout applied to every mesh group (``parallel.timeout_s``)."""
+    pipeline: PipelinePlan | None = None
+    """Stages, schedule and micro-batches when ``pp > 1`` (made by :meth:`from_config`)."""
     _mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -47,94 +55,26 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg, world_size: int) -> ParallelDims:
         """Resolve ``parallel.dp = -1``, split dp into replicate x shard by the
-        ZeRO stage and hybrid group, and validate the whole layout."""
+        ZeRO stage and hybrid group, and validate the whole layout (pipeline
+        included) against ``cfg.model`` and ``cfg.train``: the one place a
+        layout is checked, before any process group exists."""
         p = cfg.parallel
-        others = p.tp * p.pp * p.cp
-        if world_size % others:
-            raise ConfigError(
-                f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {others} does not divide the world size "
-                f"{world_size}; change parallel.tp/pp/cp or the number of processes",
-                "parallel")
-        dp = world_size // others if p.dp == -1 else p.dp
-        if dp * others != world_size:
-            raise ConfigError(
-                f"dp*tp*pp*cp = {dp}*{p.tp}*{p.pp}*{p.cp} = {dp * others} but the world size "
-                f"is {world_size}; set parallel.dp={world_size // others} or -1 to fill", "parallel.dp")
-        if p.zero == 0:
-            replicate, shard = dp, 1
-        else:
-            group = p.shard_group_size or dp
-            if dp % group:
-                raise ConfigError(
-                    f"shard_group_size {group} does not divide dp {dp}", "parallel.shard_group_size")
-            replicate, shard = dp // group, group
+        replicate, shard = resolve_dp(p, world_size)
         dims = cls(world_size=world_size, dp_replicate=replicate, dp_shard=shard,
-                   cp=p.cp, tp=p.tp, pp=p.pp, placement=p.placement,
-                   timeout_s=p.timeout_s)
-        dims.validate_against(cfg)
+                   cp=p.cp, tp=p.tp, pp=p.pp, placement=p.placement, timeout_s=p.timeout_s)
+        degrees = {"world_size": world_size, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp,
+                   "dp": dims.dp}
+        dims.pipeline = validate_layout(degrees=degrees, rank_layout=dims.mesh_layout(),
+                                        model=cfg.model, train=cfg.train, parallel=p)
         return dims
 
-    # -------------------------------------------------------------- checks
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    def validate_against(self, cfg) -> None:
-        """Layout checks that need the model and batch: all before any process group."""
-        m, t, p = cfg.model, cfg.train, cfg.parallel
-        from giantmodel.distributed.placement import validate_placement
-
-        validate_placement(self.placement, self.world_size)
-        if self.cp > 1 and p.cp_method != "allgather":
-            raise ConfigError(
-                f"cp_method={p.cp_method!r} is not available; context parallelism exchanges "
-                "K/V by all-gather: set parallel.cp_method=allgather", "parallel.cp_method")
-        if self.tp > 1:
-            for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.kv_heads),
-                               ("ffn_hidden_size", m.ffn_hidden_size),
-                               ("vocab_size", m.vocab_size)):
-                if value % self.tp:
-                    raise ConfigError(
-                        f"model.{key}={value} is not divisible by parallel.tp={self.tp}; "
-                        f"choose a tp that divides it", f"model.{key}")
-            if p.sp and t.seq_len % self.tp:
-                raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp="
-                                  f"{self.tp} for sequence parallelism", "train.seq_len")
-        stages = self.pp * p.pp_virtual
-        if self.pp > 1 and m.num_layers < stages:
-            raise ConfigError(
-                f"model.num_layers={m.num_layers} is fewer than pp*pp_virtual={stages} stages",
-                "parallel.pp")
-        if p.pp_layers is not None:
-            if len(p.pp_layers) != stages or sum(p.pp_layers) != m.num_layers:
-                raise ConfigError(
-                    f"needs {stages} entries (pp*pp_virtual) summing to model.num_layers="
-                    f"{m.num_layers}, got {p.pp_layers}", "parallel.pp_layers")
-        if self.cp > 1 and t.seq_len % (2 * self.cp):
-            raise ConfigError(
-                f"train.seq_len={t.seq_len} must be divisible by 2*parallel.cp={2 * self.cp} "
-                "(causal load balancing splits it into 2*cp chunks)", "train.seq_len")
-        self._validate_batch(cfg)
-
-    def _validate_batch(self, cfg) -> None:
-        t = cfg.train
-        per_step = t.micro_batch_size * self.dp
-        if t.global_batch_size % per_step:
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-                f"micro_batch_size*dp = {t.micro_batch_size}*{self.dp} = {per_step}",
-                "train.global_batch_size")
-        if self.pp > 1:
-            # Schedule, micro-batch (incl. parallel.pp_microbatches) and
-            # placement checks of the pipeline, all before any process group.
-            from giantmodel.parallel.pipeline_split import (check_pipeline_placement,
-                                                            validate_pipeline)
-            validate_pipeline(cfg, self.pp, self.dp)
-            check_pipeline_placement(self)
-
-    def microbatches(self, cfg) -> int:
+    def microbatches(self, train) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
-        return cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
+        return train.global_batch_size // (train.micro_batch_size * self.dp)
 
     # --------------------------------------------------------------- mesh
     @property
@@ -143,8 +83,6 @@ class ParallelDims:
 
     def mesh_layout(self):
         """[pp, dp_replicate, dp_shard, cp, tp] tensor of global ranks."""
-        import torch
-
         ranks = torch.tensor(self.placement if self.placement is not None
                              else list(range(self.world_size)), dtype=torch.int64)
         return ranks.view(*self.degrees)
@@ -154,12 +92,7 @@ class ParallelDims:
         views used by data parallelism and loss reduction: ``dp``
         (replicate x shard), ``dp_shard_cp`` (FSDP's shard group when cp > 1)
         and ``dp_cp`` (groups that see different tokens)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from giantmodel.distributed.placement import validate_placement
-
-        if self.placement is not None:
-            validate_placement(self.placement, self.world_size)
+        validate_placement(self.placement, self.world_size)
         mesh = DeviceMesh(device_type, self.mesh_layout(), mesh_dim_names=MESH_DIMS)
         # torch >= 2.11 wants flattened views kept by the caller rather than
         # sliced back out of the root mesh, so they live in ``_flat``.
@@ -178,10 +111,6 @@ class ParallelDims:
         or dp collective far longer than the configured timeout."""
         if self.timeout_s is None:
             return
-        from datetime import timedelta
-
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
         seen = set()
         for name in MESH_DIMS + tuple(self._flat):
             group = self[name].get_group()

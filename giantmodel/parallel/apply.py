@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from giantmodel.train.loss import IGNORE_INDEX, cross_entropy_sum
+from giantmodel.core.loss import IGNORE_INDEX, cross_entropy_sum
 
 
 def parallelize_chunk(module: nn.Module, dims, cfg) -> nn.Module:

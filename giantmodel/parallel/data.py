@@ -27,22 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from giantmodel.core.optim import build_adamw
+from giantmodel.core.tensors import local_tensor, unique_params
 from giantmodel.parallel.collectives import all_reduce_sum_, broadcast_from_
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a (possibly DTensor) tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def unique_params(parts: list[nn.Module]) -> list[nn.Parameter]:
-    seen, out = set(), []
-    for part in parts:
-        for p in part.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
 
 
 @torch.no_grad()
@@ -149,13 +136,13 @@ class DataParallel:
 
     def build_optimizer(self, parts: list[nn.Module], optim_cfg, device_type: str):
         if self.zero != 1:
-            return build_sharded_adamw(parts, optim_cfg, device_type)
+            return build_adamw(unique_params(parts), optim_cfg, device_type)
         params = unique_params(parts)
         owners = assign_owners(params, self.mesh.size())
         me = self.mesh.get_local_rank()
         self._owners = list(zip(params, owners))
         self.owned = [p for p, o in self._owners if o == me]
-        return build_sharded_adamw([_ParamList(self.owned)], optim_cfg, device_type)
+        return build_adamw(self.owned, optim_cfg, device_type)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -172,39 +159,6 @@ class DataParallel:
                 for t in members:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
-
-
-def build_sharded_adamw(parts: list[nn.Module], cfg, device_type: str) -> torch.optim.Optimizer:
-    """AdamW as ``giantmodel.train.optim.build_adamw`` builds it, with each
-    param group split by tensor kind: multi-tensor kernels cannot mix plain
-    tensors (e.g. unsharded norm weights under tp) with DTensors, nor
-    DTensors on different meshes. DCP keys optimizer state by parameter name,
-    so the extra groups do not affect checkpoints."""
-    from giantmodel.train.optim import param_groups
-
-    groups = []
-    for group in param_groups(parts, cfg.weight_decay):
-        by_kind: dict = {}
-        for p in group["params"]:
-            key = (id(p.device_mesh), tuple(map(str, p.placements))) if hasattr(p, "placements") else None
-            by_kind.setdefault(key, []).append(p)
-        groups += [{**group, "params": ps} for ps in by_kind.values()]
-    impl = cfg.impl
-    if impl == "auto":
-        impl = "fused" if device_type == "cuda" else "foreach"
-    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
-
-
-class _ParamList(nn.Module):
-    """Carries a subset of parameters to ``build_adamw`` (which takes modules)."""
-
-    def __init__(self, params: list[torch.Tensor]):
-        super().__init__()
-        self._params = params
-
-    def parameters(self, recurse: bool = True):
-        return iter(self._params)
 
 
 def apply_fsdp(model: nn.Module, dims, cfg) -> None:

@@ -26,9 +26,9 @@ from torch import nn
 
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.models import build_model, init_weights
-from giantmodel.train.loss import cross_entropy_sum
-from giantmodel.train.optim import build_adamw
-from giantmodel.train.precision import Precision
+from giantmodel.core.loss import cross_entropy_sum
+from giantmodel.core.optim import build_adamw
+from giantmodel.core.precision import Precision
 
 
 class Engine:
@@ -90,7 +90,7 @@ class Engine:
         return bool(t.item())
 
     def build_optimizer(self, optim_cfg) -> torch.optim.Optimizer:
-        return build_adamw(self.parts, optim_cfg, self.device.type)
+        return build_adamw(self.parameters(), optim_cfg, self.device.type)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()

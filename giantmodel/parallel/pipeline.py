@@ -35,20 +35,12 @@ from giantmodel.models import build_model, init_weights
 from giantmodel.models.registry import copy_full_into, full_init_tensor
 from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
 from giantmodel.parallel.collectives import all_reduce_sum_
-from giantmodel.parallel.data import DataParallel, local_tensor
+from giantmodel.core.tensors import local_tensor
+from giantmodel.parallel.data import DataParallel
 from giantmodel.parallel.grads import clip_grads_
-from giantmodel.parallel.pipeline_split import (
-    MULTI_STAGE_SCHEDULES,
-    check_pipeline_placement,
-    layers_per_stage,
-    pipeline_microbatches,
-    stage_ids_for_rank,
-    stage_layer_ranges,
-    stage_owner,
-    validate_pipeline,
-)
+from giantmodel.core.pipeline_split import stage_owner
 from giantmodel.parallel.spmd import SPMDEngine
-from giantmodel.train.precision import Precision
+from giantmodel.core.precision import Precision
 
 
 # ---------------------------------------------------------------- the model
@@ -95,18 +87,17 @@ class PipelineEngine(SPMDEngine):
         self.cfg = cfg
         self.dims = dims
         self.device = device
-        p = cfg.parallel
-        validate_pipeline(cfg, dims.pp, dims.dp)
-        check_pipeline_placement(dims)
-        self.n_micro = pipeline_microbatches(cfg, dims.dp)
-        self.schedule_name = p.pp_schedule
-        self.virtual = 2 if p.pp_schedule == "zbv" else p.pp_virtual
-        self.num_stages = dims.pp * self.virtual
+        plan = dims.pipeline
+        self.plan = plan
+        self.n_micro = plan.n_micro
+        self.schedule_name = plan.schedule
+        self.virtual = plan.virtual
+        self.num_stages = plan.num_stages
         self.pp_group = _pipeline_group(dims)
         self.pp_rank = dims.coordinate("pp")  # == rank in pp_group (check_pipeline_placement)
-        self.layer_counts = layers_per_stage(cfg, self.num_stages)
-        ranges = stage_layer_ranges(self.layer_counts)
-        self.stage_ids = stage_ids_for_rank(self.pp_rank, dims.pp, self.virtual, p.pp_schedule)
+        self.layer_counts = list(plan.layer_counts)
+        ranges = plan.layer_ranges()
+        self.stage_ids = plan.stage_ids(self.pp_rank)
         self.parts: list[nn.Module] = []
         for sid in self.stage_ids:
             module = build_stage_module(cfg.model, ranges[sid], sid == 0,
@@ -136,7 +127,7 @@ class PipelineEngine(SPMDEngine):
                   for part, sid in zip(self.parts, self.stage_ids)]
         cls = _schedule_class(self.schedule_name)
         # scale_grads=False: the loss is already divided by the global token count.
-        multi = self.schedule_name in MULTI_STAGE_SCHEDULES
+        multi = self.plan.multi_stage
         self._schedule = cls(stages if multi else stages[0], self.n_micro,
                              loss_fn=self._stage_loss, scale_grads=False)
         return self._schedule

@@ -18,11 +18,12 @@ from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
 from giantmodel.parallel.collectives import all_reduce_max_, all_reduce_sum_, sum_scalar
 from giantmodel.parallel.context import balanced_positions, shard_sequence
-from giantmodel.parallel.data import DataParallel, unique_params
+from giantmodel.core.tensors import unique_params
+from giantmodel.parallel.data import DataParallel
 from giantmodel.parallel.engine import Engine
 from giantmodel.parallel.grads import clip_grads_
-from giantmodel.train.loss import IGNORE_INDEX
-from giantmodel.train.precision import Precision
+from giantmodel.core.loss import IGNORE_INDEX
+from giantmodel.core.precision import Precision
 
 
 class SPMDEngine(Engine):

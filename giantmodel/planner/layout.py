@@ -11,12 +11,7 @@ from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.parallel.pipeline_split import (
-    layers_per_stage,
-    pipeline_microbatches,
-    stage_ids_for_rank,
-    validate_pipeline,
-)
+from giantmodel.core.pipeline_split import stage_ids_for_rank
 
 
 @dataclass(frozen=True)
@@ -99,15 +94,14 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
                           "--nodes")
     dims = ParallelDims.from_config(cfg, cluster.world)
     p = cfg.parallel
-    validate_pipeline(cfg, dims.pp, dims.dp)
-    n_micro = dims.microbatches(cfg)
+    n_micro = dims.microbatches(cfg.train)
     micro_batch = cfg.train.micro_batch_size
-    if dims.pp > 1:
+    split = [cfg.model.num_layers]
+    if dims.pipeline is not None:
         # a pipeline step may cut the batch into parallel.pp_microbatches pieces
-        n_micro = pipeline_microbatches(cfg, dims.dp)
+        n_micro = dims.pipeline.n_micro
         micro_batch = cfg.train.global_batch_size // dims.dp // n_micro
-    stages = dims.pp * p.pp_virtual
-    split = layers_per_stage(cfg, stages) if stages > 1 else [cfg.model.num_layers]
+        split = list(dims.pipeline.layer_counts)
     offload_opt = bool(getattr(cfg.offload, "optimizer", False))
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,

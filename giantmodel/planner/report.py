@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from giantmodel.parallel.pipeline_split import balanced_split
+from giantmodel.core.pipeline_split import balanced_split
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import MemoryReport, memory_report
 from giantmodel.planner.perf import PerfOptions, PerfReport, edge_times, layer_time

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.parallel.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
+from giantmodel.core.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
 from giantmodel.planner.layout import Cluster, Layout, resolve_layout
 from giantmodel.planner.memory import MemoryReport, memory_report
 from giantmodel.planner.perf import PerfOptions, PerfReport, estimate_time

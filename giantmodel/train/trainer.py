@@ -17,13 +17,14 @@ import torch
 
 from giantmodel.config import dump_config
 from giantmodel.config.errors import ConfigError
+from giantmodel.data.checks import check_data
 from giantmodel.distributed.init import (init_distributed, pick_device, shutdown_distributed,
                                          world_info)
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.metrics.flops import flops_per_token, peak_flops
 from giantmodel.metrics.logger import MetricsLogger
-from giantmodel.train.optim import SchedulerState, build_scheduler
-from giantmodel.train.precision import Precision
+from giantmodel.core.optim import SchedulerState, build_scheduler
+from giantmodel.core.precision import Precision
 
 log = logging.getLogger("giantmodel")
 
@@ -53,6 +54,7 @@ class Trainer:
         self.cfg = cfg
         self.info = world_info()
         cfg.validate()
+        check_data(cfg.data)
         self.dims = ParallelDims.from_config(cfg, self.info.world_size)
         vocab = vocab_size_of(cfg.data)
         if vocab is not None and vocab > cfg.model.vocab_size:
@@ -66,8 +68,8 @@ class Trainer:
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
         from giantmodel.comm import backend_for
-        init_distributed(backend_for(cfg.comm, self.device.type), cfg.parallel.timeout_s,
-                         self.device, self.info)
+        backend, pg_options = backend_for(cfg.comm, self.device.type)
+        init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
         if self.info.world_size > 1:
             self.dims.build_mesh(self.device.type)
             self._tune_buckets()
@@ -83,7 +85,7 @@ class Trainer:
             cfg.data, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.engine.data_rank,
             dp_size=self.engine.data_world, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size)
-        self.microbatches = self.dims.microbatches(cfg)
+        self.microbatches = self.dims.microbatches(cfg.train)
         self.metrics = MetricsLogger(self.run_dir, self.info.is_rank0, cfg.run.tensorboard,
                                      cfg.run.progress, cfg.train.steps)
         self._stop_requested = False

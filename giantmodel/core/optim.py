@@ -3,35 +3,45 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from giantmodel.config.train import OptimConfig
+from giantmodel.core.tensors import unique
 
 
-def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
-    """Decay matrices (and embeddings); leave norms and biases undecayed."""
-    decay, no_decay, seen = [], [], set()
-    for part in parts:
-        for p in part.parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+def param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict]:
+    """Decay matrices (and embeddings); leave norms and biases undecayed.
+
+    Frozen parameters are left out, and each group is further split by
+    tensor kind: multi-tensor kernels cannot mix plain tensors (unsharded
+    norm weights under tp) with DTensors, nor DTensors on different meshes.
+    DCP keys optimizer state by parameter name, so the number of groups does
+    not reach checkpoints.
+    """
+    decay: dict = {}
+    no_decay: dict = {}
+    for p in unique(params):
+        if not p.requires_grad:
+            continue
+        kind = ((id(p.device_mesh), tuple(map(str, p.placements)))
+                if hasattr(p, "placements") else None)
+        (decay if p.dim() >= 2 else no_decay).setdefault(kind, []).append(p)
+    groups = [{"params": ps, "weight_decay": weight_decay} for ps in decay.values()]
+    groups += [{"params": ps, "weight_decay": 0.0} for ps in no_decay.values()]
+    return groups or [{"params": [], "weight_decay": weight_decay}]
 
 
-def build_adamw(parts: list[nn.Module], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+def build_adamw(params: Iterable[torch.Tensor], cfg: OptimConfig,
+                device_type: str) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (duplicates, e.g. tied weights, counted once)."""
     impl = cfg.impl
     if impl == "auto":
         # The fused kernel exists for CUDA; foreach is the fast path elsewhere.
         impl = "fused" if device_type == "cuda" else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(param_groups(parts, cfg.weight_decay), lr=cfg.lr,
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 

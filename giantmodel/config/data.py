@@ -3,6 +3,10 @@
 An empty section trains on the built-in corpus: the Python standard library's
 own sources, tokenized with a SentencePiece model trained on them, both built
 on first use and cached.
+
+``validate`` checks values only; that the named files exist and are readable
+is checked by :func:`giantmodel.data.checks.check_data`, which the trainer
+runs with the other pre-flight checks before any process group exists.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from giantmodel.config.errors import ConfigError, UserInputError
+from giantmodel.config.errors import ConfigError
 
 SOURCES = ("builtin", "indexed", "synthetic")
 SYNTHETIC_PATTERNS = ("arithmetic", "random")
@@ -75,7 +79,7 @@ class DataConfig:
     ``~/.cache/giantmodel``."""
 
     def validate(self) -> None:
-        """Check values and that every named file exists, before any process starts."""
+        """Check values (files are checked by ``giantmodel.data.checks``)."""
         if self.source not in SOURCES:
             raise ConfigError(f"unknown data source {self.source!r}; use one of "
                               f"{', '.join(SOURCES)}", key="data.source")
@@ -105,12 +109,8 @@ class DataConfig:
             if self.builtin_valid_every < 2:
                 raise ConfigError(f"must be at least 2, got {self.builtin_valid_every}",
                                   key="data.builtin_valid_every")
-            self._validate_cache_dir()
 
     def _validate_indexed(self) -> None:
-        from giantmodel.data.indexed import read_index_header
-        from giantmodel.data.tokenizer import resolve_tokenizer_path
-
         if not self.paths:
             raise ConfigError("source 'indexed' needs at least one dataset prefix: set "
                               "data.paths=[PREFIX] (PREFIX.bin + PREFIX.idx from "
@@ -122,30 +122,10 @@ class DataConfig:
                                   key="data.weights")
             if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
                 raise ConfigError("weights must be >= 0 with a positive sum", key="data.weights")
-        for key, prefixes in (("data.paths", self.paths), ("data.valid_paths", self.valid_paths)):
-            for p in prefixes:
-                try:
-                    read_index_header(p)
-                except UserInputError as e:
-                    raise ConfigError(str(e), key=key) from None
         if not self.tokenizer:
             raise ConfigError("source 'indexed' needs the tokenizer the data was made with: "
                               "set data.tokenizer=PATH (.model, tokenizer.json or a directory)",
                               key="data.tokenizer")
-        try:
-            resolve_tokenizer_path(self.tokenizer)
-        except UserInputError as e:
-            raise ConfigError(str(e), key="data.tokenizer") from None
-
-    def _validate_cache_dir(self) -> None:
-        cache = self.resolved_cache_dir()
-        probe = cache
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-            raise ConfigError(f"the built-in corpus cache {cache} cannot be created or written "
-                              f"({probe} is not a writable directory); set data.cache_dir or "
-                              "GIANTMODEL_CACHE to a writable directory", key="data.cache_dir")
 
     def resolved_cache_dir(self) -> Path:
         base = self.cache_dir or os.environ.get("GIANTMODEL_CACHE") or "~/.cache/giantmodel"

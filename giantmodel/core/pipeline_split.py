@@ -1,7 +1,7 @@
 """How a model is cut into pipeline stages, and which rank runs which stage.
 
 Pure functions of the config: no process group, so the planner and the layout
-validation can use them before launch.
+validation use them before launch; the pipeline engine runs the plan made here.
 
 Cost model (forward FLOPs per token, the backward is a fixed multiple of it and
 does not change the balance):
@@ -18,9 +18,13 @@ the last stage gets fewer layers than the others.
 
 from __future__ import annotations
 
-from giantmodel.config.errors import ConfigError
+from dataclasses import dataclass
 
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+from giantmodel.config.errors import ConfigError
+from giantmodel.config.model import ModelConfig
+from giantmodel.config.parallel import MULTI_STAGE_SCHEDULES, ParallelConfig
+from giantmodel.config.train import TrainConfig
+
 
 
 def layer_cost(model_cfg, seq_len: int) -> float:
@@ -98,17 +102,17 @@ def _less(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[1] < b[1] - 1e-12
 
 
-def layers_per_stage(cfg, num_stages: int) -> list[int]:
-    """``parallel.pp_layers`` when given, else the cost-balanced split."""
-    p, m = cfg.parallel, cfg.model
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != num_stages or sum(p.pp_layers) != m.num_layers:
+def layers_per_stage(model_cfg: ModelConfig, *, seq_len: int, num_stages: int,
+                     pp_layers: list[int] | None = None) -> list[int]:
+    """``pp_layers`` when given (checked), else the cost-balanced split."""
+    if pp_layers is not None:
+        if len(pp_layers) != num_stages or sum(pp_layers) != model_cfg.num_layers:
             raise ConfigError(
                 f"needs {num_stages} entries (pp*pp_virtual) summing to model.num_layers="
-                f"{m.num_layers}, got {p.pp_layers}", "parallel.pp_layers")
-        return list(p.pp_layers)
-    return balanced_split(m.num_layers, num_stages, layer_cost(m, cfg.train.seq_len),
-                          embedding_cost(m), head_cost(m))
+                f"{model_cfg.num_layers}, got {pp_layers}", "parallel.pp_layers")
+        return list(pp_layers)
+    return balanced_split(model_cfg.num_layers, num_stages, layer_cost(model_cfg, seq_len),
+                          embedding_cost(model_cfg), head_cost(model_cfg))
 
 
 def stage_layer_ranges(counts: list[int]) -> list[range]:
@@ -139,28 +143,61 @@ def stage_owner(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
-def pipeline_microbatches(cfg, dp: int) -> int:
+def pipeline_microbatches(train: TrainConfig, *, dp: int, pp_microbatches: int | None) -> int:
     """Micro-batches one pipeline step cuts a dp rank's share of the global
     batch into: ``parallel.pp_microbatches``, or the trainer's own count."""
-    t, p = cfg.train, cfg.parallel
-    sequences = t.global_batch_size // dp
-    if p.pp_microbatches is None:
-        return sequences // t.micro_batch_size
-    if p.pp_microbatches < 1 or sequences % p.pp_microbatches:
+    sequences = train.global_batch_size // dp
+    if pp_microbatches is None:
+        return sequences // train.micro_batch_size
+    if pp_microbatches < 1 or sequences % pp_microbatches:
         raise ConfigError(
             f"must be a positive divisor of the {sequences} sequences each data-parallel rank "
-            f"gets per step (train.global_batch_size / dp); got {p.pp_microbatches}",
+            f"gets per step (train.global_batch_size / dp); got {pp_microbatches}",
             "parallel.pp_microbatches")
-    return p.pp_microbatches
+    return pp_microbatches
 
 
-def validate_pipeline(cfg, pp: int, dp: int) -> None:
-    """Pipeline checks that the generic layout validation does not make;
-    needs no process group."""
-    p, m = cfg.parallel, cfg.model
-    if pp <= 1:
-        return
-    n_micro = pipeline_microbatches(cfg, dp)
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a model replica runs as pipeline stages: made once, by
+    :func:`plan_pipeline`, when the layout is validated."""
+
+    pp: int
+    """Pipeline ranks per replica."""
+    schedule: str
+    """``parallel.pp_schedule``."""
+    virtual: int
+    """Stages per pipeline rank (2 for zbv)."""
+    n_micro: int
+    """Micro-batches per pipeline step."""
+    layer_counts: tuple[int, ...]
+    """Transformer layers of each global stage."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_counts)
+
+    @property
+    def multi_stage(self) -> bool:
+        """True when the schedule class takes a list of stages per rank."""
+        return self.schedule in MULTI_STAGE_SCHEDULES
+
+    def layer_ranges(self) -> list[range]:
+        return stage_layer_ranges(list(self.layer_counts))
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        return stage_ids_for_rank(pp_rank, self.pp, self.virtual, self.schedule)
+
+    def owner(self, stage: int) -> int:
+        return stage_owner(stage, self.pp, self.schedule)
+
+
+def plan_pipeline(*, model: ModelConfig, train: TrainConfig, parallel: ParallelConfig,
+                  pp: int, dp: int) -> PipelinePlan:
+    """Check the pipeline settings against the model and batch and return the
+    plan; needs no process group. ``pp`` must be > 1."""
+    p = parallel
+    n_micro = pipeline_microbatches(train, dp=dp, pp_microbatches=p.pp_microbatches)
     if p.pp_schedule == "zbv" and p.pp_virtual != 2:
         raise ConfigError(
             f"the zbv schedule runs exactly 2 stages per rank; set parallel.pp_virtual=2 "
@@ -177,25 +214,28 @@ def validate_pipeline(cfg, pp: int, dp: int) -> None:
             f"{p.pp_schedule} needs; raise train.global_batch_size, lower "
             "train.micro_batch_size, or set parallel.pp_microbatches", key)
     stages = pp * p.pp_virtual
-    if m.num_layers < stages:
+    if model.num_layers < stages:
         raise ConfigError(
-            f"model.num_layers={m.num_layers} is fewer than pp*pp_virtual={stages} stages",
+            f"model.num_layers={model.num_layers} is fewer than pp*pp_virtual={stages} stages",
             "parallel.pp")
-    layers_per_stage(cfg, stages)
+    counts = layers_per_stage(model, seq_len=train.seq_len, num_stages=stages,
+                              pp_layers=p.pp_layers)
+    return PipelinePlan(pp=pp, schedule=p.pp_schedule, virtual=p.pp_virtual, n_micro=n_micro,
+                        layer_counts=tuple(counts))
 
 
-def check_pipeline_placement(dims) -> None:
+def check_pipeline_placement(rank_layout, pp: int) -> None:
     """Each pipeline group's ranks must increase along pp.
 
+    ``rank_layout`` is the [pp, ...] tensor of global ranks by mesh position.
     A process group numbers its members in increasing global rank, and the
     pipeline schedules place stages by that number, while data parallelism
     pairs ranks by their mesh coordinate: the two agree only when every
     pipeline group is in increasing order. Needs no process group.
     """
-    if dims.pp <= 1 or dims.placement is None:
+    if pp <= 1:
         return
-    rows = dims.mesh_layout().reshape(dims.pp, -1).t().tolist()
-    for row in rows:
+    for row in rank_layout.reshape(pp, -1).t().tolist():
         if row != sorted(row):
             raise ConfigError(
                 f"places pipeline group {row} (stage order) out of increasing rank order; "

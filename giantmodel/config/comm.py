@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl", "giant")
 HIERARCHICAL = ("auto", "on", "off")
-
-# The backend is created by torch inside init_process_group, which passes it
-# only (store, rank, size, timeout); these variables carry the rest, and are
-# inherited by ranks a launcher spawns.
-ENV_PREFIX = "GIANTMODEL_COMM_"
 
 
 @dataclass
@@ -87,51 +81,3 @@ class CommConfig:
             raise ConfigError("CPU-Reduce is a feature of the giant backend; set "
                               "comm.backend=giant or comm.cuda_cpu_reduce=false",
                               key="comm.cuda_cpu_reduce")
-
-    def to_env(self) -> dict[str, str]:
-        """The settings the backend reads when torch creates it."""
-        out = {}
-        for f in fields(self):
-            if f.name in ("backend", "bucket_mb") or f.name.startswith("autotune"):
-                continue
-            value = getattr(self, f.name)
-            out[ENV_PREFIX + f.name.upper()] = str(int(value) if isinstance(value, bool) else value)
-        return out
-
-
-@dataclass
-class BackendSettings:
-    """What a giant process group reads at creation (from the environment)."""
-
-    chunk_bytes: int = 0  # 0 = automatic, see default_chunk_bytes
-    threads: int = 0
-    hierarchical: str = "auto"
-    node_size: int = 0
-    priority: bool = False
-    cuda_cpu_reduce: bool = False
-
-    @classmethod
-    def from_env(cls) -> BackendSettings:
-        env = os.environ
-        p = ENV_PREFIX
-        s = cls()
-        chunk_kb = int(env.get(p + "CHUNK_KB", "0") or 0)
-        if chunk_kb > 0:
-            s.chunk_bytes = chunk_kb * 1024
-        s.threads = int(env.get(p + "THREADS", "0") or 0)
-        s.hierarchical = env.get(p + "HIERARCHICAL", "auto") or "auto"
-        s.node_size = int(env.get(p + "NODE_SIZE", "0") or 0)
-        s.priority = env.get(p + "PRIORITY", "0") in ("1", "true", "True")
-        s.cuda_cpu_reduce = env.get(p + "CUDA_CPU_REDUCE", "0") in ("1", "true", "True")
-        if s.chunk_bytes < 0 or s.chunk_bytes % 4096 or s.hierarchical not in HIERARCHICAL or s.node_size < 0:
-            raise ConfigError(f"bad {p}* environment: chunk {s.chunk_bytes} B (multiple of "
-                              f"4096), hierarchical {s.hierarchical!r}, node size "
-                              f"{s.node_size}", key="comm")
-        return s
-
-
-def default_chunk_bytes(local_ranks: int, cpus: int) -> int:
-    """1 MiB chunks fit in L2 and pipeline well while every rank has a core;
-    with more ranks than cores each chunk boundary is a meeting point that
-    waits for descheduled ranks, so fewer, larger chunks (4 MiB) win."""
-    return (4 << 20) if local_ranks > max(1, cpus) else (1 << 20)

@@ -1,0 +1,48 @@
+"""Pre-flight checks of the files a ``data:`` section names.
+
+Run before any process group exists (the trainer's pre-flight), so a missing
+or malformed file fails the job in a second with one line naming the key and
+the file, instead of a hang across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+from giantmodel.config.data import DataConfig
+from giantmodel.config.errors import ConfigError, UserInputError
+from giantmodel.data.indexed import read_index_header
+from giantmodel.data.tokenizer import resolve_tokenizer_path
+
+
+def check_data(cfg: DataConfig) -> None:
+    """Values first (``cfg.validate``), then every named file."""
+    cfg.validate()
+    if cfg.source == "indexed":
+        _check_indexed(cfg)
+    elif cfg.source == "builtin":
+        _check_cache_dir(cfg)
+
+
+def _check_indexed(cfg: DataConfig) -> None:
+    for key, prefixes in (("data.paths", cfg.paths), ("data.valid_paths", cfg.valid_paths)):
+        for p in prefixes:
+            try:
+                read_index_header(p)
+            except UserInputError as e:
+                raise ConfigError(str(e), key=key) from None
+    try:
+        resolve_tokenizer_path(cfg.tokenizer)
+    except UserInputError as e:
+        raise ConfigError(str(e), key="data.tokenizer") from None
+
+
+def _check_cache_dir(cfg: DataConfig) -> None:
+    cache = cfg.resolved_cache_dir()
+    probe = cache
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"the built-in corpus cache {cache} cannot be created or written "
+                          f"({probe} is not a writable directory); set data.cache_dir or "
+                          "GIANTMODEL_CACHE to a writable directory", key="data.cache_dir")
