@@ -269,7 +269,6 @@ class CheckpointManager:
             try:
                 dcp_load(dcp_state, path, self.pg)
             except (Exception, CheckpointException) as e:
-                import traceback; traceback.print_exc()  # DEBUG  # noqa: BLE001 - reported with its cause
                 raise UserInputError(
                     f"cannot load {path} into this run's state ({', '.join(sorted(dcp_state))}): "
                     f"{dcp_error_message(e)}. If the config changed, use a new run.dir or set "
