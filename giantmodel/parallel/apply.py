@@ -37,7 +37,7 @@ def parallelize_chunk(module: nn.Module, dims, cfg) -> nn.Module:
         apply_tensor_parallel(module, dims["tp"], cfg.parallel.sp)
     if dims.cp > 1:
         apply_context_parallel(module, dims["cp"])
-    apply_recompute(module, cfg.recompute)
+    apply_recompute(module, cfg.recompute, cfg.recompute_layers)
     if cfg.offload.activations:
         from giantmodel.parallel.offload import apply_offload
 

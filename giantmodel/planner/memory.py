@@ -14,10 +14,11 @@ layout of Korthikanti et al. 2022 (34*s*b*h + 5*a*s^2*b per layer in fp16) is
 the cross-check; flash attention removes the s^2 term.
 
 Recompute modes follow giantmodel.parallel.recompute: ``selective`` runs
-each block under an op-level policy that saves matmul outputs and collective
-results and recomputes everything else (norms, rotary, casts, the attention
-core, the MLP activation); ``full`` checkpoints whole blocks and keeps only
-each block's input. Either way the checkpoint keeps the block input.
+each block under an op-level policy that saves matmul outputs, the fused
+attention output and reducing-collective results and recomputes everything
+else (norms, rotary, casts, the MLP activation, all-gathers); ``full``
+checkpoints whole blocks and keeps only each block's input. Either way the
+checkpoint keeps the block input.
 
 Weights: autocast caches one low-precision copy of every linear weight per
 forward and autograd keeps it until backward, so zero 0/1 runs also hold
@@ -282,15 +283,20 @@ def layer_terms(m, precision: str) -> list[Term]:
 
 
 def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
-    """What the selective policy stores per block: its input, every matmul
-    output, and every collective output (TP all-reduce / SP all-gather and
-    reduce-scatter / CP K/V all-gather)."""
+    """What the selective policy keeps per block (giantmodel.parallel.recompute):
+    the block input (the checkpoint's), every matmul output, the fused
+    attention kernel's output and log-sum-exp, and the results of the reducing
+    collectives (tensor-parallel all-reduce, or reduce-scatter under sp).
+    Norms, casts, rotary, the MLP activation and the sp/cp all-gathers are
+    recomputed. Under tp the row-parallel matmuls' partial sums are kept as
+    well as their reduced results."""
     c = DTYPE_BYTES[precision]
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
     terms = [Term("block.input", 4 * h, "seq"),
              Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
              Term("attention.wv_out", c * kv, "tp"),
+             Term("attention.core_out", c * q, "tp"), Term("attention.lse", 4 * n, "tp"),
              Term("attention.wo_out", c * h, "full"),   # partial sums under tp
              Term("feed_forward.w1_out", c * f, "tp"),
              Term("feed_forward.w2_out", c * h, "full")]
@@ -300,11 +306,6 @@ def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]
         # all-reduce (or, with sp, reduce-scatter) results of wo and w2
         terms += [Term("attention.wo_reduced", c * h, "seq"),
                   Term("feed_forward.w2_reduced", c * h, "seq")]
-        if sp:  # the gathered (fp32) norm outputs that feed the column-parallel linears
-            terms += [Term("attention.gathered_input", 4 * h, "full"),
-                      Term("feed_forward.gathered_input", 4 * h, "full")]
-    if cp > 1:
-        terms += [Term("attention.kv_gathered", 2 * c * kv, "tp", kv=True)]
     return terms
 
 
