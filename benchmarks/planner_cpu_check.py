@@ -43,7 +43,7 @@ def main(argv=None) -> int:
                         max_seq_len=seq)
         layout = Layout(tp=1, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
                         schedule="1f1b", micro_batch=mb, n_micro=1, seq_len=seq, precision="fp32",
-                        recompute="none", offload_activations=False, offload_optimizer=False,
+                        recompute="none", offload_activations=False,
                         stage_layers=(layers,))
         pred = estimate_time(m, layout, prof, Cluster(1, 1), mb)
         mem = memory_report(m, layout, None)

@@ -50,7 +50,7 @@ def autocast(precision: str):
 def single_layout(m: ModelConfig, precision: str, mode: str, tp: int = 1) -> Layout:
     return Layout(tp=tp, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
                   schedule="1f1b", micro_batch=B, n_micro=1, seq_len=T, precision=precision,
-                  recompute=mode, offload_activations=False, offload_optimizer=False,
+                  recompute=mode, offload_activations=False,
                   stage_layers=(m.num_layers,))
 
 

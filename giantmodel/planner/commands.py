@@ -8,7 +8,7 @@ import json
 import time
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.planner.hardware import get_profile
+from giantmodel.planner.hardware import get_profile, single_profile
 from giantmodel.planner.layer_recompute import layer_recompute_plan
 from giantmodel.planner.layout import Cluster, resolve_layout
 from giantmodel.planner.memory import memory_report
@@ -22,10 +22,13 @@ def _common(p: argparse.ArgumentParser, gpu_required: bool) -> None:
                    help="job YAML (default: the embedded default run)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. train.micro_batch_size=2")
-    p.add_argument("--gpu", required=gpu_required, default=None if gpu_required else "cpu",
+    p.add_argument("--gpu", default=None,
                    help="hardware profile: h100-sxm, h100-pcie, h200, a100-80g, a100-40g, "
-                        "a800, v100-32g, v100-16g, cpu, or one from --hw-file")
+                        "a800, v100-32g, v100-16g, cpu, measured (what `giantmodel bench hw` "
+                        "wrote), or one from --hw-file" + ("" if gpu_required else "; default cpu"))
     p.add_argument("--hw-file", default=None, help="YAML with extra hardware profiles")
+    p.add_argument("--profile", default=None,
+                   help="a profile YAML written by `giantmodel bench hw --out FILE` (instead of --gpu)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the profile's, 8 for GPUs, 1 for cpu)")
@@ -51,6 +54,9 @@ def load_for_planning(path, overrides):
     cfg.model.validate()
     cfg.train.validate()
     cfg.parallel.validate()
+    if cfg.recompute_layers is not None and len(cfg.recompute_layers) != cfg.model.num_layers:
+        raise ConfigError(f"has {len(cfg.recompute_layers)} entries but model.num_layers is "
+                          f"{cfg.model.num_layers}", "recompute_layers")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len {cfg.train.seq_len} exceeds model.max_seq_len "
                           f"{cfg.model.max_seq_len}", "train.seq_len")
@@ -59,7 +65,14 @@ def load_for_planning(path, overrides):
 
 def _load(args):
     cfg = load_for_planning(args.config, args.overrides)
-    hw = get_profile(args.gpu, args.hw_file)
+    if args.profile and args.gpu:
+        raise ConfigError("give either --gpu or --profile, not both", "--profile")
+    if args.profile:
+        hw = single_profile(args.profile)
+    elif args.gpu is None and getattr(args, "top", None) is not None:
+        raise ConfigError("plan needs the hardware: --gpu NAME or --profile FILE", "--gpu")
+    else:
+        hw = get_profile(args.gpu or "cpu", args.hw_file)
     gpn = args.gpus_per_node or hw.gpus_per_node
     if args.nodes < 1 or gpn < 1:
         raise ConfigError(f"need --nodes >= 1 and --gpus-per-node >= 1, got {args.nodes} "

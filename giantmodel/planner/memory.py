@@ -203,7 +203,7 @@ class StateBytes:
 
 def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: int,
                       style: str = "autocast", rank: int = 0,
-                      offload_optimizer: bool = False, zero1: str = "owner") -> dict[str, int]:
+                      zero1: str = "owner") -> dict[str, int]:
     """Params, grads and optimizer states on one rank, by ZeRO stage:
     1 shards optimizer states, 2 also gradients, 3 also parameters.
 
@@ -222,7 +222,7 @@ def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: in
     return {
         "params": b.param * (shard if zero >= (3 if style == "mixed" else 2) else full),
         "grads": b.grad * (shard if zero >= 2 else full),
-        "optimizer": 0 if offload_optimizer else b.optim * (opt if zero >= 1 else full),
+        "optimizer": b.optim * (opt if zero >= 1 else full),
     }
 
 
@@ -393,6 +393,23 @@ def inflight_microbatches(layout: Layout, pp_rank: int) -> float:
 
 
 # ------------------------------------------------------------------ report
+def offloads_to_host(hw) -> bool:
+    """Activation offload moves tensors only off an accelerator: on a CPU
+    'device' they already live in host memory and stay where they are."""
+    return hw is None or hw.intra_link != "shm"
+
+
+def offload_resident_bytes(rank_bytes: float, n_layers: int, prefetch_layers: int) -> float:
+    """Device bytes of offloaded activations at the peak, per
+    giantmodel.parallel.offload as it is: forward keeps nothing on the device,
+    but backward keeps every block's fetched copy until the micro-batch's
+    backward ends, so the micro-batch in backward comes back whole (the others
+    in flight stay on the host). When offload frees each block's copies after
+    its backward, this becomes about ``prefetch_layers + 1`` blocks."""
+    del prefetch_layers   # not yet a bound: copies are kept to the end of backward
+    return rank_bytes
+
+
 @dataclass
 class RankMemory:
     pp_rank: int
@@ -444,13 +461,12 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     ns = layout.num_stages
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
-           layout.zero, shard_degree, style, layout.offload_optimizer)
+           layout.zero, shard_degree, style)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
-        states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
-                                   layout.offload_optimizer)
+        states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0)
         _STATES[key] = (states, sum(math.prod(s) for s in shapes))
     states, full = _STATES[key]
     return dict(states), full
@@ -470,14 +486,14 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     # weight until backward (zero 0/1; not for blocks a full recompute
     # re-runs); FSDP2 keeps unsharded params from forward to backward under
     # zero 2, and prefetches about two layers under zero 3.
+    modes = layout.layer_mode_counts(pp_rank)
     if layout.zero == 3:
         comp["working_weights"] = 2 * layer_local * c
     elif layout.zero == 2:
         comp["working_weights"] = local_full * c
     elif c < 4:
         lin = table.head_linear_numel(layout.tp) if ns - 1 in stages else 0
-        if layout.recompute == "none":
-            lin += n_layers * table.layer_linear_numel(layout.tp)
+        lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp)
         comp["working_weights"] = lin * c
     else:
         comp["working_weights"] = 0
@@ -486,27 +502,27 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     else:
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len
-    per_layer_none = layer_activation_bytes(m, layout.precision, "none", b, s, layout.tp,
+    by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
                                             layout.sp, layout.cp)
-    per_layer = layer_activation_bytes(m, layout.precision, layout.recompute, b, s, layout.tp,
-                                       layout.sp, layout.cp)
+               for mode in set(modes) | {"none", layout.recompute}}
+    per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
-    layer_bytes = sum(per_layer.values())
-    if layout.offload_activations:
-        # Saved tensors go to host; about prefetch + 1 layers stay resident.
-        acts = min(n_layers, prefetch_layers + 2) * layer_bytes
+    rank_bytes = sum(k * sum(by_mode[mode].values()) for mode, k in modes.items())
+    if layout.offload_activations and offloads_to_host(hw):
+        acts = offload_resident_bytes(rank_bytes, n_layers, prefetch_layers)
     else:
-        acts = n_layers * layer_bytes * inflight
+        acts = rank_bytes * inflight
     edges = edge_activation_bytes(m, layout.precision, b, s, layout.tp, layout.sp, layout.cp,
                                   first=0 in stages, last=ns - 1 in stages)
     edge_inflight = {k: v * (inflight if k == "embedding.ids" else 1.0) for k, v in edges.items()}
     comp["activations"] = acts
     comp["embedding_head_activations"] = sum(edge_inflight.values())
+    none_bytes = sum(by_mode["none"].values())
     transient = 0.0
-    if layout.recompute == "full":
-        transient = sum(per_layer_none.values())   # one block re-run during backward
-    elif layout.recompute == "selective":   # what the policy re-creates for one block
-        transient = sum(per_layer_none.values()) - layer_bytes
+    if "full" in modes:
+        transient = none_bytes   # one block re-run during backward
+    elif "selective" in modes:   # what the policy re-creates for one block
+        transient = none_bytes - sum(by_mode["selective"].values())
     if ns - 1 in stages:
         transient = max(transient, loss_transient_bytes(m, layout.precision, b, s, layout.tp,
                                                         layout.cp))
