@@ -179,8 +179,10 @@ def _layouts(run: Run, spec: dict):
     tp, pp, cp = spec.get("tp", 1), spec.get("pp", 1), spec.get("cp", 1)
     dp = run.gpus // (tp * pp * cp)
     mbs = [spec["micro_batch"]] if "micro_batch" in spec else [1, 2, 4, 8]
+    even = run.source == NARAYANAN   # Megatron (2021) needs equal stages
     scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + [
-        ("interleaved_1f1b", v) for v in (2, 3, 4) if m.num_layers % (pp * v) == 0]
+        ("interleaved_1f1b", v) for v in (2, 3, 4)
+        if (m.num_layers % (pp * v) == 0 if even else m.num_layers >= pp * v)]
     zero = spec.get("zero", 0)
     for mb, (sched, v) in itertools.product(mbs, scheds):
         if run.global_batch % (mb * dp):

@@ -4,15 +4,18 @@
   block's forward runs again in backward.
 * ``selective`` checkpoints each block under an op-level policy that keeps
   only the expensive results backward needs: matmul outputs, the fused
-  attention kernel's output and log-sum-exp, and the results of reducing
-  collectives (tensor-parallel all-reduce / reduce-scatter). Everything else
-  is recomputed from those and the block input: norms, rotary embedding,
-  autocast's casts, the MLP activation and gating product, masks, and the
-  sequence- and context-parallel all-gathers (re-gathered in backward, as
-  Megatron does for sequence parallelism). So selective keeps strictly less
-  than ``none`` (the fp32 norm outputs, the per-linear low-precision copies of
-  their inputs, the rotated q/k and the activation outputs all go) and
-  recomputes no matmul and no attention.
+  attention kernel's output and log-sum-exp, and the sequence-parallel
+  reduce-scatter results (a 1/tp slice). Everything else is recomputed from
+  those and the block input: norms, rotary embedding, autocast's casts, the
+  MLP activation and gating product, masks, and the collectives whose
+  results are full size: the sequence- and context-parallel all-gathers and
+  the tensor-parallel all-reduce (re-run in backward, as Megatron re-gathers
+  for sequence parallelism; the row-parallel partial sums they read are kept
+  as matmul outputs). So selective keeps strictly less than ``none`` (the fp32
+  norm outputs, the per-linear low-precision copies of their inputs, the
+  rotated q/k and the activation outputs all go) and recomputes no matmul
+  and no attention; under tensor or context parallelism it re-runs two
+  collectives per block in backward.
 
   Where it pays: with a fused attention kernel (SDPA's flash / efficient path,
   the CPU flash kernel) ``none`` never holds the s x s scores, so selective
@@ -44,9 +47,9 @@ _ATTENTION = {
                  "_flash_attention_forward", "_efficient_attention_forward")
     if hasattr(_aten, name)
 }
-# Reducing collectives are saved (re-running them would cost a collective
-# and their outputs are as small as the residual); gathers are recomputed.
-_SAVED_COLLECTIVES = ("all_reduce", "reduce_scatter")
+# Reduce-scatter results are a 1/tp slice: kept. All-reduce and all-gather
+# results are full size: re-run in backward.
+_SAVED_COLLECTIVES = ("reduce_scatter",)
 
 
 def _collective_kind(op) -> str | None:

@@ -105,10 +105,12 @@ def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) ->
     import torch
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
     if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if dist.get_world_size() <= 1:
+        return None
     n = dist.get_world_size()
     big = torch.ones(nbytes // 4, device=device)
     small = torch.ones(1, device=device)

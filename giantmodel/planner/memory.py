@@ -284,12 +284,11 @@ def layer_terms(m, precision: str) -> list[Term]:
 
 def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
     """What the selective policy keeps per block (giantmodel.parallel.recompute):
-    the block input (the checkpoint's), every matmul output, the fused
-    attention kernel's output and log-sum-exp, and the results of the reducing
-    collectives (tensor-parallel all-reduce, or reduce-scatter under sp).
-    Norms, casts, rotary, the MLP activation and the sp/cp all-gathers are
-    recomputed. Under tp the row-parallel matmuls' partial sums are kept as
-    well as their reduced results."""
+    the block input (the checkpoint's), every matmul output (under tp the
+    row-parallel ones are partial sums), the fused attention kernel's output
+    and log-sum-exp, and under sp the reduce-scatter results. Norms, casts,
+    rotary, the MLP activation, the tp all-reduce and the sp/cp all-gathers
+    are recomputed."""
     c = DTYPE_BYTES[precision]
     h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
@@ -302,8 +301,7 @@ def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]
              Term("feed_forward.w2_out", c * h, "full")]
     if m.arch == "llama":
         terms.append(Term("feed_forward.w3_out", c * f, "tp"))
-    if tp > 1:
-        # all-reduce (or, with sp, reduce-scatter) results of wo and w2
+    if tp > 1 and sp:   # reduce-scatter results of wo and w2
         terms += [Term("attention.wo_reduced", c * h, "seq"),
                   Term("feed_forward.w2_reduced", c * h, "seq")]
     return terms

@@ -141,7 +141,7 @@ class LayerTime:
 
 
 def _tp_cp_comm(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float, float]:
-    """(forward, backward, selective re-gather) collective seconds of one block.
+    """(forward, backward, selective re-run) collective seconds of one block.
     Tensor parallelism: per sub-block (attention, MLP) the row-parallel output
     is all-reduced (reduce-scattered under sp) in the compute dtype; under sp
     the fp32 norm output is all-gathered first. Backward mirrors it with the
@@ -162,6 +162,7 @@ def _tp_cp_comm(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float, 
         else:
             fwd = 2 * collective_time(hw, cluster, "all_reduce", tokens * h * c, t, 1)
             bwd = 2 * collective_time(hw, cluster, "all_reduce", tokens * h * 4, t, 1)
+            regather = fwd   # selective re-runs the all-reduces (full-size results)
     if cp > 1:
         kv_bytes = layout.micro_batch * layout.seq_len * 2 * kv / t * c
         gather = collective_time(hw, cluster, "all_gather", kv_bytes, cp, t)
