@@ -34,9 +34,9 @@ CONFIGS = [
 
 
 def run_one(name, arch, h, layers, heads, ffn, mb, seq, mode, hw, steps):
+    from giantmodel.core.loss import cross_entropy_sum
     from giantmodel.models import build_model, init_weights
     from giantmodel.parallel.recompute import apply_recompute
-    from giantmodel.core.loss import cross_entropy_sum
 
     m = ModelConfig(arch=arch, hidden_size=h, num_layers=layers, num_heads=heads,
                     num_kv_heads=heads // 2 if arch == "llama" else None, ffn_hidden_size=ffn,

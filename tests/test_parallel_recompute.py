@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.recompute import apply_recompute
-from giantmodel.core.loss import cross_entropy_sum
 
 
 class _OpCounter(TorchDispatchMode):

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from giantmodel.config.model import ModelConfig
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model
 from giantmodel.parallel.recompute import apply_recompute
 from giantmodel.planner.layout import Layout
 from giantmodel.planner.measure import LiveStorageCounter, SavedTensorCounter
 from giantmodel.planner.memory import DTYPE_BYTES, layer_activation_bytes, rank_memory
-from giantmodel.core.loss import cross_entropy_sum
 
 B, T = 2, 128
 

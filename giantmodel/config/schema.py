@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from giantmodel.config.comm import CommConfig
+from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
-from giantmodel.config.train import (CheckpointConfig, OffloadConfig, OptimConfig,
-                                     RunConfig, TrainConfig)
-from giantmodel.config.data import DataConfig
+from giantmodel.config.train import CheckpointConfig, OffloadConfig, OptimConfig, RunConfig, TrainConfig
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +167,7 @@ def _curve(raw, name: str, source: str) -> dict[str, list[list[float]]]:
         except (TypeError, ValueError):
             raise bad from None
         if not pairs or any(p[1] <= 0 for p in pairs) or \
-                any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
+                any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)):
             raise bad
         out[str(prec)] = pairs
     return out

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.core.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
-from giantmodel.planner.layout import Cluster, Layout, resolve_layout
 from giantmodel.planner.layer_recompute import layer_recompute_plan
+from giantmodel.planner.layout import Cluster, Layout, resolve_layout
 from giantmodel.planner.memory import MemoryReport, memory_report, offloads_to_host
 from giantmodel.planner.perf import PerfOptions, PerfReport, estimate_time
 
