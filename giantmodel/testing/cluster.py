@@ -31,6 +31,8 @@ API (stable since tag ``cluster-v1``)::
         argv = c.torchrun_argv(nproc=2, args=["-m", "giantmodel", "train"], rdzv_port=29400)
         procs = [c.popen(h, argv) for h in range(2)]        # one torchrun agent per host
         results = c.wait_all(procs, timeout=300)            # kills all on timeout
+        ranks = c.popen_ranks([[0, 2], [1, 3]], argv2)      # srun-style: one process per
+                                                            # rank, RANK/MASTER_ADDR set
         c.kill_host(1)                                      # SIGKILL every process on host1
     # leaving the block kills what is left and deletes namespaces, links and bridge
 
@@ -285,10 +287,11 @@ class EmulatedCluster:
         for minor, (peer, lk) in [(1, (None, self.link)), *[(i + 2, p) for i, p in
                                                            enumerate(pairs)]]:
             rate = f"{lk.rate_mbit or UNSHAPED_MBIT}mbit"
-            # burst of a few max-size frames so GSO frames pass whole
+            # burst of one max-size frame: smaller stalls it, larger lets a
+            # short transfer run above the rate
+            burst = f"{self.mtu + 64}b"
             _sh(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{minor}",
-                "htb", "rate", rate, "ceil", rate, "burst", f"{4 * self.mtu}b",
-                "cburst", f"{4 * self.mtu}b")
+                "htb", "rate", rate, "ceil", rate, "burst", burst, "cburst", burst)
             if lk.delay_ms > 0 and self.delay_applied and self.mode == "veth":
                 _sh(*tc, "qdisc", "add", "dev", "eth0", "parent", f"1:{minor}",
                     "netem", "delay", f"{lk.delay_ms}ms", "limit", "100000")
@@ -362,6 +365,28 @@ class EmulatedCluster:
         """Send ``sig`` to every process (and its children) started on ``host``."""
         for p in self.hosts[host].procs:
             _kill_session(p, sig)
+
+    def popen_ranks(self, host_ranks: Sequence[Sequence[int]], argv: Sequence[str], *,
+                    port: int = 29500, env: Mapping[str, str] | None = None,
+                    **kwargs) -> list[subprocess.Popen]:
+        """Start one process per global rank without torchrun, as ``srun``
+        does: ``host_ranks[h]`` lists the ranks host ``h`` runs (e.g.
+        ``[[0, 2], [1, 3]]`` is Slurm's cyclic distribution). Each gets RANK,
+        WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT (the
+        host of rank 0). Returns the processes in global-rank order."""
+        world = sum(len(r) for r in host_ranks)
+        if sorted(r for rs in host_ranks for r in rs) != list(range(world)):
+            raise ValueError(f"host_ranks {host_ranks} must list 0..{world - 1} once each")
+        master = next(h for h, rs in enumerate(host_ranks) if 0 in rs)
+        procs: dict[int, subprocess.Popen] = {}
+        for h, ranks in enumerate(host_ranks):
+            for local, r in enumerate(ranks):
+                rank_env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                            "LOCAL_WORLD_SIZE": str(len(ranks)),
+                            "MASTER_ADDR": self.hosts[master].name, "MASTER_PORT": str(port),
+                            **(env or {})}
+                procs[r] = self.popen(h, argv, env=rank_env, **kwargs)
+        return [procs[r] for r in range(world)]
 
     def torchrun_argv(self, nproc: int, args: Sequence[str], *, rdzv_port: int = 29400,
                       rdzv_id: str = "giantmodel", nnodes: int | str | None = None,
