@@ -8,9 +8,11 @@ On the chosen device it measures:
   the matmul peak;
 * memory bandwidth: a large copy (bytes read + written per second), and an
   elementwise add as the share of it that elementwise kernels reach;
-* under ``torchrun`` (WORLD_SIZE > 1): the all-reduce bus bandwidth and
-  latency of the default group, as the link figures (intra-node when every
-  rank is on one node, else inter-node).
+* under ``torchrun`` (WORLD_SIZE > 1): the links, with the placement
+  topology probe (giantmodel.distributed.linkprobe: point-to-point latency and
+  bandwidth inside a host and between hosts), and the all-reduce bus
+  bandwidth of the whole group, stored as the share of the link bandwidth
+  that collectives reach (``link_efficiency``).
 
 It writes a profile YAML that ``estimate`` and ``plan`` read with
 ``--profile FILE`` (or ``--gpu measured``, which reads the default location).
@@ -160,13 +162,40 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             "host_memory_bytes": capacity}
     links = link_bandwidth(device)
     if links is not None:
-        key = "intra_bw" if links["one_node"] else "inter_bw"
-        prof[key] = links["busbw"]
-        prof["link_efficiency"] = 1.0
-        prof["latency_s"] = links["latency_s"]
+        prof.update(probe_link_figures(device))
+        slowest = prof["intra_bw"] if links["one_node"] else prof["inter_bw"]
+        prof["link_efficiency"] = min(1.0, links["busbw"] / slowest)
         if links["one_node"] and not gpu:
             prof["gpus_per_node"] = links["world"]
     return prof
+
+
+def probe_link_figures(device: str) -> dict:
+    """intra_bw / inter_bw / latency_s from the topology probe: the median
+    point-to-point bandwidth of rank pairs inside a host and across hosts."""
+    import numpy as np
+
+    # the probe lives in the distributed layer; imported here so that a
+    # single-process `bench hw` does not need a process group
+    from giantmodel.distributed.linkprobe import probe_links
+
+    topo = probe_links("hosts")
+    host = np.empty(topo.world_size, dtype=np.int64)
+    for h, ranks in enumerate(topo.host_ranks):
+        host[ranks] = h
+    same = host[:, None] == host[None, :]
+    off = ~np.eye(topo.world_size, dtype=bool)
+    out = {}
+    for key, mask in (("intra_bw", same & off), ("inter_bw", ~same)):
+        vals = topo.beta[mask]
+        vals = vals[np.isfinite(vals) & (vals > 0)]
+        if vals.size:
+            out[key] = float(np.median(vals))
+    alphas = topo.alpha[off]
+    alphas = alphas[alphas > 0]
+    if alphas.size:
+        out["latency_s"] = float(np.median(alphas))
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
