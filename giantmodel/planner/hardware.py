@@ -63,6 +63,9 @@ class HardwareProfile:
     """Share of peak FLOP/s that fused (flash) attention reaches, forward; backward is a bit lower."""
     memory_efficiency: float = 0.40
     """Share of memory bandwidth that elementwise kernels reach."""
+    adamw_rate: float | None = None
+    """Parameters per second the optimizer updates; None: memory-bound, 32 bytes per parameter
+    at ``memory_efficiency`` of the bandwidth (fused AdamW on a GPU). Measured by ``bench hw``."""
     link_efficiency: float = 0.80
     """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
     latency_s: float = 10e-6
@@ -148,6 +151,8 @@ def profile_from_dict(name: str, raw: dict, source: str) -> HardwareProfile:
         kwargs["matmul_curve"] = _curve(kwargs["matmul_curve"], name, source)
     for key, value in kwargs.items():
         if key in ("name", "peak_flops", "intra_link", "matmul_curve"):
+            continue
+        if key == "adamw_rate" and value is None:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} in hardware profile {name!r} must be a number, got {value!r}")

@@ -8,6 +8,8 @@ On the chosen device it measures:
   the matmul peak;
 * memory bandwidth: a large copy (bytes read + written per second), and an
   elementwise add as the share of it that elementwise kernels reach;
+* the optimizer: parameters per second the project's AdamW updates (on a
+  CPU this is arithmetic-bound, far below what the bandwidth suggests);
 * under ``torchrun`` (WORLD_SIZE > 1): the links, with the placement
   topology probe (giantmodel.distributed.linkprobe: point-to-point latency and
   bandwidth inside a host and between hosts), and the all-reduce bus
@@ -58,12 +60,32 @@ def _dtype(name: str):
 
 
 def matmul_flops(device: str, dtype: str, n: int, repeats: int = 3) -> float:
-    """Achieved FLOP/s of an n x n x n matmul (best of ``repeats``)."""
+    """Achieved FLOP/s of n x n x n matmuls in the three layouts training runs
+    (forward a @ b, input gradient a @ b^T, weight gradient a^T @ b): total
+    FLOPs over the sum of each layout's best time."""
     import torch
 
     a = torch.randn(n, n, device=device).to(_dtype(dtype))
     b = torch.randn(n, n, device=device).to(_dtype(dtype))
-    return 2.0 * n ** 3 / _best_time(lambda: a @ b, device, repeats)
+    t = sum(_best_time(fn, device, repeats)
+            for fn in (lambda: a @ b, lambda: a @ b.t(), lambda: a.t() @ b))
+    return 3 * 2.0 * n ** 3 / t
+
+
+def adamw_rate(device: str, numel: int, repeats: int = 3) -> float:
+    """Parameters per second that the project's AdamW (fused on CUDA, foreach
+    elsewhere) updates, over ``numel`` parameters in 8 tensors."""
+    import torch
+
+    # imported when measuring (they pull in torch), so the CLI starts fast
+    from giantmodel.config.train import OptimConfig
+    from giantmodel.core.optim import build_adamw
+
+    params = [torch.nn.Parameter(torch.randn(numel // 8, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = build_adamw(params, OptimConfig(), device.split(":")[0])
+    return numel / _best_time(opt.step, device, repeats)
 
 
 def matmul_curve(device: str, dtype: str, sizes: list[int], repeats: int = 3) -> list[list[float]]:
@@ -145,6 +167,7 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
     main = "bf16" if gpu and "bf16" in peaks else "fp32"
     attn = attention_flops(device, main, attn_seq or (4096 if gpu else 512))
     copy, add = memory_bandwidth(device, nbytes)
+    adam = adamw_rate(device, nbytes // 16)
     if gpu:
         props = torch.cuda.get_device_properties(device)
         capacity, gpn = float(props.total_memory), torch.cuda.device_count()
@@ -158,7 +181,8 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             "matmul_efficiency": 1.0, "matmul_curve": curves,
             "attention_efficiency": min(1.0, attn / peaks[main]),
             "memory_efficiency": min(1.0, add / copy),
-            "link_efficiency": 0.8, "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
+            "link_efficiency": 0.8, "adamw_rate": adam,
+            "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
             "host_memory_bytes": capacity}
     links = link_bandwidth(device)
     if links is not None:
@@ -243,7 +267,8 @@ def main(args) -> int:
         print(f"matmul {dt:<5} GFLOP/s by size {pts}")
     print(f"attention {prof['attention_efficiency'] * 100:.0f}% of the matmul peak")
     print(f"memory bandwidth {prof['memory_bw'] / GB:8.1f} GB/s (copy), elementwise "
-          f"{prof['memory_efficiency'] * 100:.0f}% of it")
+          f"{prof['memory_efficiency'] * 100:.0f}% of it; AdamW {prof['adamw_rate'] / 1e6:.0f} "
+          "M params/s")
     if prof.get("latency_s") is not None and "latency_s" in prof:
         print(f"all-reduce bus bandwidth {max(prof['intra_bw'], 0) / GB:.2f} GB/s (intra) / "
               f"{prof['inter_bw'] / GB:.2f} GB/s (inter), latency {prof['latency_s'] * 1e6:.0f} us")

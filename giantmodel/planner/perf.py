@@ -336,7 +336,10 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
             exposed += collective_time(hw, cluster, "all_reduce", local * 4 / shard,
                                        layout.dp_replicate, stride * shard)
     opt_params = local / (n if layout.zero >= 1 else 1)
-    opt = mem_time(hw, 32 * opt_params)   # read p, g, m, v; write p, m, v; grad norm
+    if hw.adamw_rate:
+        opt = opt_params / hw.adamw_rate
+    else:
+        opt = mem_time(hw, 32 * opt_params)   # read p, g, m, v; write p, m, v; grad norm
     return exposed, opt
 
 
