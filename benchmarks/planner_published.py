@@ -274,12 +274,51 @@ def fit(runs: list[Run]) -> dict:
     return best[1]
 
 
+def ablate(runs: list[Run]) -> None:
+    """The fit rows with one earlier rule put back at a time: the GEMM rate
+    from the smallest GEMM dimension (0.68 of peak x d / (d + 512)), and the
+    bubble as (m + (p - 1) / v) x the slowest stage."""
+    from giantmodel.planner import perf
+
+    def show(label):
+        errs = [f"{r.name}:{(predict(r)[0] / r.published_tok_s_gpu - 1) * 100:+.0f}%" for r in runs]
+        print(f"{label:<22}", " ".join(errs))
+
+    show("this model")
+    est = perf.estimate_time
+
+    def old_bubble(m, layout, hw, cluster, gb, opts=None):
+        rep = est(m, layout, hw, cluster, gb, opts)
+        extra = ((layout.pp - 1) / perf._fill_drain_divisor(layout) * max(rep.stage_s)
+                 - rep.breakdown["bubble"])
+        rep.tokens_per_sec = gb * layout.seq_len / (rep.step_s + extra)
+        return rep
+
+    globals()["estimate_time"] = old_bubble
+    show("old bubble")
+    globals()["estimate_time"] = est
+    rate = perf.matmul_rate
+
+    def old_rate(hw, precision, m, k, n):
+        d = min(m, k, n)
+        return hw.flops(precision) * 0.68 * d / (d + 512)
+
+    perf.matmul_rate = old_rate
+    show("old GEMM rate")
+    perf.matmul_rate = rate
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--fit", action="store_true", help="search the constants on the fit set")
+    ap.add_argument("--ablate", action="store_true",
+                    help="fit rows with the earlier GEMM and bubble rules put back")
     args = ap.parse_args(argv)
     fit_runs = [r for r in RUNS if r.split == "fit"]
+    if args.ablate:
+        ablate(fit_runs)
+        return 0
     if args.fit:
         consts = fit(fit_runs)
         print("best on the fit set:", consts)
