@@ -167,7 +167,9 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
     main = "bf16" if gpu and "bf16" in peaks else "fp32"
     attn = attention_flops(device, main, attn_seq or (4096 if gpu else 512))
     copy, add = memory_bandwidth(device, nbytes)
-    adam = adamw_rate(device, nbytes // 16)
+    # as many parameters as the copy test's bytes: the states (16 B each) then
+    # outgrow the caches, as a model's do
+    adam = adamw_rate(device, nbytes // 4)
     if gpu:
         props = torch.cuda.get_device_properties(device)
         capacity, gpn = float(props.total_memory), torch.cuda.device_count()
