@@ -308,7 +308,10 @@ def _local_params(m, layout: Layout) -> float:
 def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
              fwd_bwd_per_mb: float) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step) per step; see the
-    module docstring for what overlaps what."""
+    module docstring for what overlaps what. On a CPU host nothing overlaps:
+    the collectives run on the same cores as the ranks' compute."""
+    if not offloads_to_host(hw):   # a CPU 'device': no spare engine to hide comm behind
+        bwd_per_mb = fwd_bwd_per_mb = 0.0
     table = param_table(m)
     local = _local_params(m, layout)
     c = DTYPE_BYTES[layout.precision]
@@ -328,8 +331,12 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     elif n > 1:
         unit = table.layer_numel(layout.tp)
         passes = 2   # forward gathers; backward re-gathers (zero 3) and reduce-scatters
+        # FSDP2 copies each gather's shards in and the unsharded result out, and
+        # the gradients into and out of the reduce-scatter buffer
+        copies = mem_time(hw, 2 * local * (passes * c + 4))
         per_mb = (passes * collective_time(hw, cluster, "all_gather", local * c, shard, stride)
-                  + collective_time(hw, cluster, "reduce_scatter", local * 4, shard, stride))
+                  + collective_time(hw, cluster, "reduce_scatter", local * 4, shard, stride)
+                  + copies)
         first = collective_time(hw, cluster, "all_gather", unit * c, shard, stride)
         exposed = layout.n_micro * (first + max(0.0, per_mb - fwd_bwd_per_mb))
         if layout.dp_replicate > 1:
