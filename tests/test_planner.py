@@ -82,6 +82,10 @@ def test_estimate_rejects_layout_that_cannot_divide_the_model():
                                                  "parallel.tp=3", *LLAMA_13B]))
     with pytest.raises(ConfigError, match="unknown GPU 'b200'"):
         commands.run_estimate(_args("estimate", ["--gpu", "b200"]))
+    with pytest.raises(ConfigError, match="plan needs the hardware"):
+        commands.run_plan(_args("plan", LLAMA_13B))
+    with pytest.raises(ConfigError, match="either --gpu or --profile"):
+        commands.run_plan(_args("plan", ["--gpu", "a100-80g", "--profile", "x.yaml"]))
 
 
 @pytest.mark.timeout(60)
