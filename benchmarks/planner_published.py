@@ -154,6 +154,17 @@ for gpus, tps in ((8, 5762), (128, 5605)):
                     layout={"zero": 3, "recompute": "selective", "precision": "bf16",
                             "micro_batch": 2},
                     note=f"{tps:,} TPS/GPU; profile = h100-sxm with 96 GB at 2.4 TB/s"))
+MTNLG = ("Smith et al. 2022 (Megatron-Turing NLG 530B with DeepSpeed, arXiv:2201.11990) sec. 2.4, "
+         "as restated in llm-analysis's examples/megatron-turing-nlg: 8-way tensor x 35-way pipeline, "
+         "global batch 1920 x 2048 tokens, seconds per iteration on 280/350/420 DGX A100")
+MT_NLG = gpt("mt-nlg-530b", 105, 20480, 128, vocab=50272)
+for nodes, secs, tflops in ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)):
+    gpus = nodes * 8
+    RUNS.append(Run(MTNLG, f"mt-nlg-530b x{gpus}", MT_NLG, "a100-80g", gpus, 1920, 2048,
+                    1920 * 2048 / secs / gpus,
+                    layout={"tp": 8, "pp": 35, "zero": 1, "recompute": "full",
+                            "precision": "bf16"},
+                    note=f"{secs} s per iteration ({tflops} TFLOP/s/GPU published)"))
 LLAMA3 = ("Llama 3 405B pretraining on H100-80GB (Dubey et al. 2024, arXiv:2407.21783, Table 4; "
           "as restated from Balaji, SC'24): TP/CP/PP, 16M tokens per batch, bf16")
 L31_405B = llama("llama3.1-405b", 126, 16384, 128, 53248, vocab=128256, kv=8, seq=131072)
