@@ -111,8 +111,22 @@ def test_plan_llama_13b_two_nodes_fast_and_fits(tmp_path, capsys):
     # the written YAML loads with the trainer's loader and has the best layout
     cfg = load_config(out, validate=False)
     assert cfg.parallel.tp == best["layout"]["tp"] and cfg.recompute == best["layout"]["recompute"]
+    from dataclasses import asdict
+
     from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.planner.layout import resolve_layout
     assert ParallelDims.from_config(cfg, 16).world_size == 16
+    # every planned field comes back from the YAML; a pipelined candidate's too
+    def fields(layout):
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(layout).items()}
+
+    assert fields(resolve_layout(cfg, Cluster(2, 8))) == {
+        k: v for k, v in best["layout"].items() if k not in ("dp_replicate", "world")}
+    from giantmodel.planner.search import apply_layout, search
+    base = commands.load_for_planning(None, LLAMA_13B)
+    piped = next(c.layout for c in search(base, get_profile("a100-80g"), Cluster(2, 8))
+                 if c.layout.pp > 1 and c.layout.virtual > 1)
+    assert fields(resolve_layout(apply_layout(base, piped), Cluster(2, 8))) == fields(piped)
     assert elapsed < 10, f"plan took {elapsed:.1f} s"
 
 

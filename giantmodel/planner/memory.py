@@ -30,6 +30,7 @@ gathers bf16 parameters and autocast's casts are no-ops.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -83,14 +84,20 @@ class ParamTable:
     tied: bool
 
     def layer_numel(self, tp: int = 1) -> int:
-        return sum(math.prod(p.local_shape(tp)) for p in self.layer)
+        return _numel_cached(self, tp, False)
 
     def layer_linear_numel(self, tp: int = 1) -> int:
-        return sum(math.prod(p.local_shape(tp)) for p in self.layer if _is_linear(p.name))
+        return _numel_cached(self, tp, True)
 
     def head_linear_numel(self, tp: int = 1) -> int:
         head = self.head or tuple(p for p in self.embed if p.name.startswith("tok_"))
         return sum(math.prod(p.local_shape(tp)) for p in head)
+
+
+@functools.lru_cache(maxsize=4096)
+def _numel_cached(table: ParamTable, tp: int, linear_only: bool) -> int:
+    return sum(math.prod(p.local_shape(tp)) for p in table.layer
+               if not linear_only or _is_linear(p.name))
 
 
 def _is_linear(name: str) -> bool:

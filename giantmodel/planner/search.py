@@ -115,23 +115,26 @@ def least_recompute_that_fits(m, layout: Layout, hw, cluster: Cluster | None = N
     mem = memory_report(m, replace(layout, recompute="none", recompute_layers=None), hw)
     if mem.fits:
         return replace(layout, recompute="none", recompute_layers=None), mem
+    full = replace(layout, recompute="full", recompute_layers=None)
+    full_mem = memory_report(m, full, hw)
+    if not full_mem.fits:   # no mix fits either: only offload is left
+        if offloads_to_host(hw):
+            cand = replace(full, offload_activations=True)
+            mem = memory_report(m, cand, hw)
+            if mem.fits:
+                return cand, mem
+        return None
     if cluster is not None:
         mixed = mixed_recompute_layout(m, layout, hw, cluster, opts)
         if mixed is not None:
             mem = memory_report(m, mixed, hw)
             if mem.fits:
                 return mixed, mem
-    for mode in RECOMPUTE_ORDER[1:]:
-        cand = replace(layout, recompute=mode, recompute_layers=None)
-        mem = memory_report(m, cand, hw)
-        if mem.fits:
-            return cand, mem
-    if offloads_to_host(hw):
-        cand = replace(layout, recompute="full", recompute_layers=None, offload_activations=True)
-        mem = memory_report(m, cand, hw)
-        if mem.fits:
-            return cand, mem
-    return None
+    sel = replace(layout, recompute="selective", recompute_layers=None)
+    mem = memory_report(m, sel, hw)
+    if mem.fits:
+        return sel, mem
+    return full, full_mem
 
 
 def mixed_recompute_layout(m, layout: Layout, hw, cluster: Cluster,
