@@ -2,6 +2,10 @@
 # Multi-node training under Slurm: one torchrun per node, c10d rendezvous on
 # the first node. Usage:
 #   sbatch --nodes 4 scripts/slurm_train.sh configs/llama/65b.yaml parallel.tp=8 parallel.pp=4
+# Environment: GPUS_PER_NODE (8: ranks per node), MASTER_PORT (29500),
+# MAX_RESTARTS (0). parallel.placement=auto places ranks by measured link
+# bandwidth (docs/placement.md). Tested on an emulated cluster with the srun
+# and scontrol stand-ins in scripts/slurm-shim/ (tests/test_cluster_launch.py).
 #SBATCH --job-name=giantmodel
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
@@ -22,7 +26,8 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
 mkdir -p logs
-srun --kill-on-bad-exit=1 torchrun \
+srun --kill-on-bad-exit=1 "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$PORT" --rdzv-id "$SLURM_JOB_ID" \
+    --max-restarts "${MAX_RESTARTS:-0}" \
     -m giantmodel train --config "$CONFIG" "$@"

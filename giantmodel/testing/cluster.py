@@ -260,6 +260,9 @@ class EmulatedCluster:
             h.uts_file.touch()
             _sh("unshare", f"--uts={h.uts_file}", "hostname", h.name)
             self._shape(h)
+        (self.state_dir / "cluster.json").write_text(json.dumps({"hosts": {
+            h.name: {"ip": h.ip, "netns": h.netns, "uts_file": str(h.uts_file)}
+            for h in self.hosts}}))
 
     def _start_switch(self) -> None:
         n = len(self.hosts)
@@ -315,11 +318,7 @@ class EmulatedCluster:
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run inside ``host``: its network and UTS
         namespaces, with the cluster's /etc/hosts."""
-        h = self.hosts[host]
-        mounts = 'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" ' \
-                 '/etc/resolv.conf && exec "$@"'
-        return ["nsenter", f"--net=/run/netns/{h.netns}", f"--uts={h.uts_file}", "--",
-                "unshare", "--mount", "sh", "-c", mounts, str(self.state_dir), *map(str, argv)]
+        return host_command(self.state_dir, self.hosts[host].name, argv)
 
     def popen(self, host: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **kwargs) -> subprocess.Popen:
@@ -398,6 +397,21 @@ class EmulatedCluster:
                 "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"{self.hosts[0].name}:{rdzv_port}", "--rdzv-id", rdzv_id,
                 "--max-restarts", str(max_restarts), *args]
+
+
+def host_command(state_dir: str | Path, host: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped to run on emulated ``host`` (a name) of the cluster
+    whose state directory is ``state_dir`` (``EmulatedCluster.state_dir``);
+    for tools that start processes on other hosts, like the srun shim."""
+    state = Path(state_dir)
+    hosts = json.loads((state / "cluster.json").read_text())["hosts"]
+    if host not in hosts:
+        raise KeyError(f"no emulated host {host!r}; the cluster has {sorted(hosts)}")
+    h = hosts[host]
+    mounts = 'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" ' \
+             '/etc/resolv.conf && exec "$@"'
+    return ["nsenter", f"--net=/run/netns/{h['netns']}", f"--uts={h['uts_file']}", "--",
+            "unshare", "--mount", "sh", "-c", mounts, str(state), *map(str, argv)]
 
 
 def _mac(index: int) -> str:
