@@ -25,6 +25,10 @@ export NCCL_ASYNC_ERROR_HANDLING=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
+# A node whose agent is restarted (MAX_RESTARTS) can rejoin only if every
+# rendezvous round publishes the workers' store address anew; torch 2.13 skips
+# that when the agents share one TCP store (its default).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 mkdir -p logs
 srun --kill-on-bad-exit=1 "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \

@@ -11,7 +11,11 @@
 set -euo pipefail
 CONFIG=${1:?usage: HEAD_NODE=host NNODES=n scripts/train_multinode.sh CONFIG [KEY=VALUE ...]}
 shift
-: "${HEAD_NODE:?set HEAD_NODE to the first node's address}"
+: "${HEAD_NODE:?set HEAD_NODE to the address of the first node}"
+# A node whose agent is restarted (MAX_RESTARTS) can rejoin only if every
+# rendezvous round publishes the workers' store address anew; torch 2.13 skips
+# that when the agents share one TCP store (its default).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes "${NNODES:-1}" --nproc-per-node "${GPUS_PER_NODE:-8}" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:${MASTER_PORT:-29500}" \

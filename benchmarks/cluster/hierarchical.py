@@ -30,8 +30,8 @@ SIZES = ("1M", "4M", "16M", "64M", "256M")
 def worker(out: str, sizes: list[int], reps: int) -> None:
     import torch
     import torch.distributed as dist
-
     from common import write_rank_result
+
     from giantmodel import comm
 
     comm.register_backend()
@@ -79,6 +79,7 @@ def main() -> int:
         worker(args.worker, sizes, args.reps)
         return 0
     from common import conditions, run_workers
+
     from giantmodel.testing.cluster import EmulatedCluster, Link
 
     with EmulatedCluster(2, link=Link(args.rate_mbit, args.delay_ms)) as c:

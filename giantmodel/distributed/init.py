@@ -70,6 +70,11 @@ def shutdown_distributed() -> None:
 
 
 # ------------------------------------------------------------ lost hosts
+class HostLostError(RuntimeError):
+    """A collective failed because a peer host stopped answering; the
+    message names the host and its ranks."""
+
+
 @dataclass(frozen=True)
 class PeerHost:
     rank: int

@@ -102,7 +102,7 @@ def srun(argv: list[str]) -> int:
 def _wait(procs: list[subprocess.Popen], kill_on_bad: bool) -> int:
     status = 0
 
-    def forward(signum, frame):  # noqa: ARG001 - signal API
+    def forward(signum, frame):
         for p in procs:
             _signal(p, signum)
 
