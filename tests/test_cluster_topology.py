@@ -1,5 +1,6 @@
-"""`giantmodel bench topology` on emulated hosts: it measures the shaped links,
-and placement finds the fast pairs of a heterogeneous cluster from the file."""
+"""`giantmodel bench topology` on emulated hosts, launched srun-style: on a
+heterogeneous cluster placement finds the fast pairs from the measured file.
+(The measured figures of the 200 Mbit/s, 1 ms cluster: tests/test_cluster_launch.py.)"""
 
 import subprocess
 import sys
@@ -16,28 +17,12 @@ from giantmodel.testing.cluster import EmulatedCluster, Link, unavailable_reason
 pytestmark = [pytest.mark.skipif(unavailable_reason() is not None,
                                  reason=str(unavailable_reason())), pytest.mark.slow]
 
-MBYTE_S_PER_MBIT = 1e6 / 8
-
-
 def _probe(cluster: EmulatedCluster, host_ranks, out) -> None:
     argv = [sys.executable, "-m", "giantmodel", "bench", "topology", "--out", str(out)]
     procs = cluster.popen_ranks(host_ranks, argv, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     codes = cluster.wait_all(procs, timeout=150)
     assert codes == [0] * len(procs), procs[0].stdout.read()
-
-
-def test_probe_measures_shaped_links_between_cyclic_ranks(tmp_path):
-    out = tmp_path / "topology.yaml"
-    with EmulatedCluster(2, link=Link(rate_mbit=200, delay_ms=1.0)) as c:
-        _probe(c, [[0, 2], [1, 3]], out)  # Slurm's cyclic order: ranks 0, 2 on host0
-    topo = load_topology(out, world_size=4)
-    assert topo.host_names == ["host0", "host1"] and topo.host_ranks == [[0, 2], [1, 3]]
-    inter, intra = topo.beta[0, 1], topo.beta[0, 2]
-    assert 0.75 * 200 <= inter / MBYTE_S_PER_MBIT <= 1.25 * 200, inter
-    assert intra > 5 * inter
-    assert 1e-3 <= topo.alpha[0, 1] <= 4e-3 and topo.alpha[0, 2] < 0.5e-3
-    assert [name for name, _ in topo.levels()][-2:] == ["host", "network"]
 
 
 def test_placement_finds_fast_pairs_it_was_not_told_about(tmp_path):

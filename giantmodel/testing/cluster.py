@@ -46,8 +46,10 @@ API (stable since tag ``cluster-v1``)::
   which case ``cluster.delay_applied`` is False and only rates are shaped.
   ``cluster.mode`` is "veth" or "tapswitch"; ``cluster.link_between(a, b)``
   is the Link that joins two hosts.
-- Processes run with the caller's environment plus ``env``; ``popen`` puts each
-  command in its own session, so ``kill_host`` also reaches its children.
+- Processes run with the caller's environment plus ``env``, each command in
+  its own session. ``kill_host`` kills every process in the host's network
+  namespace (whatever sessions they made: torchrun's workers have their own),
+  as a machine that goes down would.
 - Namespaces and links are named ``gm<id>...`` with a per-cluster id, so
   several clusters (several test sessions) can live side by side; leftovers
   of a cluster whose owning process died are removed by the next start.
@@ -260,6 +262,9 @@ class EmulatedCluster:
             h.uts_file.touch()
             _sh("unshare", f"--uts={h.uts_file}", "hostname", h.name)
             self._shape(h)
+        (self.state_dir / "cluster.json").write_text(json.dumps({"hosts": {
+            h.name: {"ip": h.ip, "netns": h.netns, "uts_file": str(h.uts_file)}
+            for h in self.hosts}}))
 
     def _start_switch(self) -> None:
         n = len(self.hosts)
@@ -315,11 +320,7 @@ class EmulatedCluster:
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run inside ``host``: its network and UTS
         namespaces, with the cluster's /etc/hosts."""
-        h = self.hosts[host]
-        mounts = 'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" ' \
-                 '/etc/resolv.conf && exec "$@"'
-        return ["nsenter", f"--net=/run/netns/{h.netns}", f"--uts={h.uts_file}", "--",
-                "unshare", "--mount", "sh", "-c", mounts, str(self.state_dir), *map(str, argv)]
+        return host_command(self.state_dir, self.hosts[host].name, argv)
 
     def popen(self, host: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **kwargs) -> subprocess.Popen:
@@ -333,11 +334,12 @@ class EmulatedCluster:
         return p
 
     def run(self, host: int, argv: Sequence[str], *, timeout: float,
-            env: Mapping[str, str] | None = None, check: bool = False
+            env: Mapping[str, str] | None = None, check: bool = False, **kwargs
             ) -> subprocess.CompletedProcess:
-        """Run ``argv`` on ``host`` to completion; text output captured."""
+        """Run ``argv`` on ``host`` to completion; text output captured;
+        kwargs (``cwd``, ...) go to Popen."""
         p = self.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True)
+                       text=True, **kwargs)
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -362,9 +364,26 @@ class EmulatedCluster:
             raise TimeoutError(f"processes did not finish within {timeout}s") from None
 
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to every process (and its children) started on ``host``."""
-        for p in self.hosts[host].procs:
-            _kill_session(p, sig)
+        """Send ``sig`` to every process running on ``host``: those started
+        here and everything they spawned, new sessions included (torchrun
+        starts its workers in sessions of their own), found by network
+        namespace, as if the machine went down."""
+        h = self.hosts[host]
+        for p in h.procs:
+            _kill_session(p, sig, wait=False)
+        if self._started:
+            pids = _sh("ip", "netns", "pids", h.netns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), sig)
+                except (ProcessLookupError, ValueError):
+                    pass
+        if sig == signal.SIGKILL:
+            for p in h.procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
 
     def popen_ranks(self, host_ranks: Sequence[Sequence[int]], argv: Sequence[str], *,
                     port: int = 29500, env: Mapping[str, str] | None = None,
@@ -400,6 +419,21 @@ class EmulatedCluster:
                 "--max-restarts", str(max_restarts), *args]
 
 
+def host_command(state_dir: str | Path, host: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped to run on emulated ``host`` (a name) of the cluster
+    whose state directory is ``state_dir`` (``EmulatedCluster.state_dir``);
+    for tools that start processes on other hosts, like the srun shim."""
+    state = Path(state_dir)
+    hosts = json.loads((state / "cluster.json").read_text())["hosts"]
+    if host not in hosts:
+        raise KeyError(f"no emulated host {host!r}; the cluster has {sorted(hosts)}")
+    h = hosts[host]
+    mounts = 'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" ' \
+             '/etc/resolv.conf && exec "$@"'
+    return ["nsenter", f"--net=/run/netns/{h['netns']}", f"--uts={h['uts_file']}", "--",
+            "unshare", "--mount", "sh", "-c", mounts, str(state), *map(str, argv)]
+
+
 def _mac(index: int) -> str:
     return f"02:67:6d:00:{index // 256:02x}:{index % 256:02x}"
 
@@ -409,13 +443,13 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def _kill_session(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+def _kill_session(p: subprocess.Popen, sig: int = signal.SIGKILL, wait: bool = True) -> None:
     if p.poll() is None or sig == signal.SIGKILL:
         try:
             os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-    if sig == signal.SIGKILL:
+    if sig == signal.SIGKILL and wait:
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -433,6 +467,11 @@ def _teardown(cluster_id: str, netns: Sequence[str]) -> None:
         except (OSError, ValueError):
             pass
     for ns in netns:
+        for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            try:  # nothing may outlive its host
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
         _sh("ip", "netns", "del", ns, check=False)  # takes its veth pair along
     _sh("ip", "link", "del", f"gm{cluster_id}br", check=False)
     if state.is_dir():
