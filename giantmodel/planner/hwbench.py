@@ -260,8 +260,11 @@ def main(args) -> int:
     name = args.name or "measured"
     out = Path(args.out) if args.out else MEASURED_PROFILE_FILE
     import torch.distributed as dist
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return 0   # rank 0 writes the profile and reports
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0   # rank 0 writes the profile and reports
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump({name: prof}, sort_keys=False))
     for dt, curve in prof["matmul_curve"].items():
@@ -271,8 +274,10 @@ def main(args) -> int:
     print(f"memory bandwidth {prof['memory_bw'] / GB:8.1f} GB/s (copy), elementwise "
           f"{prof['memory_efficiency'] * 100:.0f}% of it; AdamW {prof['adamw_rate'] / 1e6:.0f} "
           "M params/s")
-    if prof.get("latency_s") is not None and "latency_s" in prof:
-        print(f"all-reduce bus bandwidth {max(prof['intra_bw'], 0) / GB:.2f} GB/s (intra) / "
-              f"{prof['inter_bw'] / GB:.2f} GB/s (inter), latency {prof['latency_s'] * 1e6:.0f} us")
+    if "latency_s" in prof:
+        print(f"links (point to point) {prof['intra_bw'] / GB:.2f} GB/s in a host, "
+              f"{prof['inter_bw'] / GB:.2f} GB/s between hosts, latency "
+              f"{prof['latency_s'] * 1e6:.0f} us; all-reduce reaches "
+              f"{prof['link_efficiency'] * 100:.0f}% of it")
     print(f"wrote profile {name!r} to {out}")
     return 0
