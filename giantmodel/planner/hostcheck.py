@@ -9,8 +9,9 @@ rank, median over steps) and each rank's peak RSS above what the process
 held before the engine was built. :func:`compare` then predicts both with
 the planner from the measured profile.
 
-Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py;
-run the ranks with ``HOST_CHECK_ENV`` so freed tensors leave the RSS.
+Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py.
+Each rank has glibc serve large blocks by mmap, so a freed tensor leaves the
+RSS at once (otherwise RSS keeps every freed block and reads high).
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def use_mmap_for_large_blocks() -> None:
+    """Serve allocations of 64 KiB and more by mmap, so that a freed tensor
+    leaves the RSS at once (glibc otherwise keeps large freed blocks in its
+    heap, and RSS then shows what was, not what is)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)    # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def _trim() -> None:
@@ -116,6 +131,7 @@ def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[l
     from giantmodel.planner import hwbench
 
     torch.set_num_threads(1)
+    use_mmap_for_large_blocks()
     prof = hwbench.measure("cpu", **(profile_kw or {}))
     # one untimed step first: lazy initialisation (gloo buffers, kernels) is
     # not part of any layout's memory or time
