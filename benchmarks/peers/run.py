@@ -188,8 +188,12 @@ def cpu_suite(args) -> dict:
                              ds_python, _env(), say), 1)}
     for name, why in SKIPPED.items():
         say(f"[peers] {name}: skipped: {why}")
-    cases = [workload.find_case(n) for n in args.cases.split(",")] if args.cases \
-        else list(workload.CPU_CASES)
+    if args.cases == "none":
+        cases = []
+    elif args.cases:
+        cases = [workload.find_case(n) for n in args.cases.split(",")]
+    else:
+        cases = list(workload.CPU_CASES)
     with tempfile.TemporaryDirectory(prefix="gm-peers-") as tmp:
         for case in cases:
             result["cases"].append(run_case(case, ds_python, args, Path(tmp)))
@@ -205,10 +209,24 @@ def cpu_suite(args) -> dict:
     return result
 
 
+def merge(results: list[dict]) -> dict:
+    """Several partial runs (e.g. one case each, on a shared host) as one result."""
+    out = dict(results[0])
+    out["cases"] = [c for r in results for c in r.get("cases", [])]
+    out["collectives"] = [c for r in results for c in r.get("collectives", [])]
+    out["wall_s"] = sum(r.get("wall_s", 0) for r in results)
+    out["machine"] = {**results[0]["machine"],
+                      "load_avg_end": results[-1]["machine"].get("load_avg_end")}
+    out["parts"] = [{"date": r["machine"]["date"], "load": [r["machine"].get("load_avg_start"),
+                     r["machine"].get("load_avg_end")], "wall_s": r.get("wall_s")}
+                    for r in results]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", choices=("cpu", "gpu"), required=True)
-    p.add_argument("--cases", default="", help="comma-separated subset of the CPU cases")
+    p.add_argument("--cases", default="", help="comma-separated subset of the CPU cases, or none")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps in the first rep (loss check)")
     p.add_argument("--quick-steps", type=int, default=10, help="steps in later reps")
@@ -220,11 +238,14 @@ def main() -> int:
     p.add_argument("--titan-assets", help="GPU suite: local Llama 3 tokenizer directory "
                    "for torchtitan")
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--report", nargs="+", metavar="JSON",
+                   help="print the tables of earlier --json files (merged) instead of running")
     args = p.parse_args()
     if args.suite == "gpu":
         import gpu
         return gpu.main(args)
-    result = cpu_suite(args)
+    result = merge([json.loads(Path(f).read_text()) for f in args.report]) if args.report \
+        else cpu_suite(args)
     say("\n" + format_tables(result))
     say("\nOne step, rank 0, ms by category (first rep):\n" + format_profiles(result))
     for coll in result.get("collectives", []):

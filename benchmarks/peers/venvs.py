@@ -76,9 +76,11 @@ def ensure(peer: Peer, say=print) -> Path:
     _run([py, "-m", "pip", "install", "-q", "setuptools", "wheel"], env=env, log=log)
     _run([py, "-m", "pip", "install", "-q", "--no-build-isolation", "-c", constraints,
           *peer.packages], env=env, log=log)
-    got = subprocess.run([str(py), "-c", "import torch; print(torch.__version__, torch.__file__)"],
-                         capture_output=True, text=True, env=env).stdout.split()
-    if not got or got[0] != torch.__version__ or not got[1].startswith(str(Path(torch.__file__).parents[1])):
+    probe = "import torch; print(torch.__version__, torch.__file__)"
+    got = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, env=env,
+                         check=False).stdout.split()
+    system_site = str(Path(torch.__file__).parents[1])
+    if not got or got[0] != torch.__version__ or not got[1].startswith(system_site):
         raise RuntimeError(f"{root}: torch is {got}, not the system's {torch.__version__}; "
                            "delete the environment and report this")
     marker.write_text(json.dumps({"want": want, "created_s": round(time.perf_counter() - t0, 1)}))
