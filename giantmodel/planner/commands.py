@@ -13,6 +13,7 @@ from giantmodel.planner.layer_recompute import layer_recompute_plan
 from giantmodel.planner.layout import Cluster, resolve_layout
 from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
+from giantmodel.planner.placement import add_topology_argument, place_on_topology
 from giantmodel.planner.report import estimate_dict, format_estimate, format_plan, pipeline_report
 from giantmodel.planner.search import apply_layout, search, smallest_fitting_cluster, verified
 
@@ -40,6 +41,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, gpu_required=True)
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--out", default=None, help="write the best layout as a runnable YAML here")
+    add_topology_argument(p)
 
 
 def load_for_planning(path, overrides):
@@ -101,14 +103,20 @@ def run_plan(args) -> int:
             f"{cluster} {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each); {where}")
     elapsed = time.monotonic() - start
     top = best[0]
+    run_cfg = apply_layout(cfg, top.layout)
+    placed = (place_on_topology(run_cfg, args.topology, cluster.world) if args.topology
+              else None)
     if args.out:
-        dump_config(apply_layout(cfg, top.layout), args.out)
+        dump_config(run_cfg, args.out)
     if args.json:
         rows = [estimate_dict(cfg.model, c.layout, hw, cluster, c.memory, c.perf) for c in best]
+        extra = {"placement": vars(placed)} if placed else {}
         print(json.dumps({"searched": len(cands), "seconds": elapsed, "top": rows,
-                          "out": args.out}, indent=2))
+                          "out": args.out, **extra}, indent=2))
     else:
         print(format_plan(best, cluster, hw.name))
+        if placed:
+            print(f"best layout on {args.topology}: {placed.log_line()}")
         print(f"{len(cands)} fitting layouts ranked in {elapsed:.1f} s")
         pl = pipeline_report(cfg.model, top.layout, hw, cluster)
         if len(pl["stages"]) > 1:

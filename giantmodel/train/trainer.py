@@ -18,9 +18,11 @@ import torch
 from giantmodel.config import dump_config
 from giantmodel.config.errors import ConfigError
 from giantmodel.data.checks import check_data
-from giantmodel.distributed.init import (init_distributed, pick_device, shutdown_distributed,
+from giantmodel.distributed.init import (HostLostError, describe_lost_peer, gather_peer_hosts,
+                                         init_distributed, pick_device, shutdown_distributed,
                                          world_info)
 from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.distributed.placement import resolve_placement
 from giantmodel.metrics.flops import flops_per_token, peak_flops
 from giantmodel.metrics.logger import MetricsLogger
 from giantmodel.core.optim import SchedulerState, build_scheduler
@@ -53,6 +55,7 @@ class Trainer:
 
         self.cfg = cfg
         self.info = world_info()
+        self.peers, self.placement = [], None
         cfg.validate()
         check_data(cfg.data)
         self.dims = ParallelDims.from_config(cfg, self.info.world_size)
@@ -71,6 +74,8 @@ class Trainer:
         backend, pg_options = backend_for(cfg.comm, self.device.type)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
         if self.info.world_size > 1:
+            self.peers = gather_peer_hosts()
+            self.placement = resolve_placement(cfg, self.dims, backend, log=self._print)
             self.dims.build_mesh(self.device.type)
             self._tune_buckets()
         torch.manual_seed(cfg.train.seed)
@@ -210,6 +215,12 @@ class Trainer:
                     self._save()
                     window_t0, window_steps = time.perf_counter(), 0
             self.ckpt.wait()
+        except Exception as e:
+            lost = describe_lost_peer(e, self.peers, self.info.rank) if self.peers else None
+            if lost is None:
+                raise
+            print(f"error: rank {self.info.rank}: {lost}", file=sys.stderr, flush=True)
+            raise HostLostError(lost) from e
         finally:
             signal.signal(signal.SIGTERM, old_handler)
         summary["step"] = self.state.step
