@@ -194,10 +194,19 @@ def main() -> int:
     p.add_argument("--ds-config", default="{}", help="JSON merged over the default config")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--rank-from-env", action="store_true",
+                   help="be one rank (RANK/WORLD_SIZE/MASTER_ADDR from the environment, as "
+                        "srun or the emulated cluster start it) and write OUT.rank<R>")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     case = workload.find_case(a.case)
     os.environ.update(env_for(case))
+    if a.rank_from_env:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        r = rank_main(rank, world, a.case, a.steps, a.warmup, json.loads(a.ds_config), False)
+        Path(f"{a.out}.rank{rank}").write_text(json.dumps(r))
+        return 0
     from giantmodel.testing import run_ranks
 
     t0 = time.perf_counter()

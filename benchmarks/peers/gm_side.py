@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -110,9 +111,17 @@ def main() -> int:
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--rank-from-env", action="store_true",
+                   help="be one rank (RANK/WORLD_SIZE/MASTER_ADDR from the environment, as "
+                        "srun or the emulated cluster start it) and write OUT.rank<R>")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     case = workload.find_case(a.case)
+    if a.rank_from_env:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        r = rank_main(rank, world, a.case, a.steps, a.warmup, tuple(a.extra), False)
+        Path(f"{a.out}.rank{rank}").write_text(json.dumps(r))
+        return 0
     from giantmodel.testing import run_ranks
 
     t0 = time.perf_counter()

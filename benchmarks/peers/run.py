@@ -197,6 +197,12 @@ def cpu_suite(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="gm-peers-") as tmp:
         for case in cases:
             result["cases"].append(run_case(case, ds_python, args, Path(tmp)))
+        if args.cluster_rates:
+            import cluster_case
+            result["cluster"] = cluster_case.run(
+                ds_python, [int(x) for x in args.cluster_rates.split(",")],
+                [int(x) for x in args.cluster_stages.split(",")], args.reps,
+                args.quick_steps, _env(), Path(tmp), say, args.timeout)
         if not args.no_collectives:
             result["collectives"] = []
             for ranks in args.coll_ranks:
@@ -214,6 +220,9 @@ def merge(results: list[dict]) -> dict:
     out = dict(results[0])
     out["cases"] = [c for r in results for c in r.get("cases", [])]
     out["collectives"] = [c for r in results for c in r.get("collectives", [])]
+    clusters = [r["cluster"] for r in results if r.get("cluster", {}).get("results")]
+    if clusters:
+        out["cluster"] = {"results": [x for c in clusters for x in c["results"]]}
     out["wall_s"] = sum(r.get("wall_s", 0) for r in results)
     out["machine"] = {**results[0]["machine"],
                       "load_avg_end": results[-1]["machine"].get("load_avg_end")}
@@ -233,6 +242,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of a run")
     p.add_argument("--no-tuned", action="store_true", help="skip the hand-tuned giantmodel runs")
     p.add_argument("--no-collectives", action="store_true")
+    p.add_argument("--cluster-rates", default="1000",
+                   help="case 2: inter-host link rates (Mbit/s) of the emulated 2-host "
+                        "cluster, comma-separated; empty to skip")
+    p.add_argument("--cluster-stages", default="1,2,3", help="case 2: ZeRO stages")
     p.add_argument("--coll-ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2])
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--titan-assets", help="GPU suite: local Llama 3 tokenizer directory "
@@ -248,6 +261,9 @@ def main() -> int:
         else cpu_suite(args)
     say("\n" + format_tables(result))
     say("\nOne step, rank 0, ms by category (first rep):\n" + format_profiles(result))
+    if result.get("cluster", {}).get("results"):
+        import cluster_case
+        say("\nCase 2, emulated 2 hosts x 2 ranks:\n" + cluster_case.format_table(result["cluster"]))
     for coll in result.get("collectives", []):
         if "rows" in coll:
             import collectives
