@@ -242,7 +242,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of a run")
     p.add_argument("--no-tuned", action="store_true", help="skip the hand-tuned giantmodel runs")
     p.add_argument("--no-collectives", action="store_true")
-    p.add_argument("--cluster-rates", default="1000",
+    p.add_argument("--cluster-rates", default="",
                    help="case 2: inter-host link rates (Mbit/s) of the emulated 2-host "
                         "cluster, comma-separated; empty to skip")
     p.add_argument("--cluster-stages", default="1,2,3", help="case 2: ZeRO stages")
