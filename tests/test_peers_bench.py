@@ -11,10 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
 
-import ds_side  # noqa: E402
-import run  # noqa: E402
-import stepprofile  # noqa: E402
-import workload  # noqa: E402
+import ds_side
+import run
+import stepprofile
+import workload
 
 
 def test_profile_intervals():
