@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed import ReduceOp
 from torch.futures import Future
-from torch._C._autograd import _profiler_enabled
+from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
 from giantmodel.comm import _lib
@@ -427,7 +427,9 @@ def _profiled(job: Callable[[], object]) -> Callable[[], object]:
     Costs one flag check when no profiler runs (small messages are
     latency-bound)."""
     def run():
-        if not _profiler_enabled():
+        # The module flag torch.profiler sets for every thread (the C++
+        # query answers False under the Kineto profiler).
+        if not autograd_profiler._is_profiler_enabled:
             return job()
         with record_function("giant:collective"):
             return job()
