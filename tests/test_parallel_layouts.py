@@ -77,8 +77,7 @@ def _check(cases, results, **tol):
 
 @pytest.mark.timeout(480)
 def test_two_rank_layouts_match_single_process():
-    results = run_ranks(H.run_cases, 2, TWO_RANKS + MIXED, timeout=230,
-                        retry_native_crash=True)[0]
+    results = run_ranks(H.run_cases, 2, TWO_RANKS + MIXED, timeout=230)[0]
     _check(TWO_RANKS, results[:len(TWO_RANKS)])
     # losses and norms within 2e-2 relative, parameters within 1e-2
     _check(MIXED, results[len(TWO_RANKS):], loss_rtol=2e-2, param_tol=1e-2)
@@ -86,5 +85,5 @@ def test_two_rank_layouts_match_single_process():
 
 @pytest.mark.timeout(720)
 def test_four_rank_layouts_match_single_process():
-    results = run_ranks(H.run_cases, 4, FOUR_RANKS, timeout=350, retry_native_crash=True)[0]
+    results = run_ranks(H.run_cases, 4, FOUR_RANKS, timeout=350)[0]
     _check(FOUR_RANKS, results)

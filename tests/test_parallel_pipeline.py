@@ -112,8 +112,7 @@ def test_pp2_every_schedule_matches_single_process():
     cases += EXACT_EXTRAS
     layout_cases = [("llama", _pp("interleaved_1f1b", 2)), ("gpt", _pp("zbv", 2)),
                     ("llama", _pp("1f1b", 1))]
-    results = run_ranks(pp2_group, 2, cases + LOW_PRECISION, layout_cases, timeout=220,
-                        retry_native_crash=True)
+    results = run_ranks(pp2_group, 2, cases + LOW_PRECISION, layout_cases, timeout=220)
     trained = results[0][0]
     _check_all(cases, trained[:len(cases)])
     _check_all(LOW_PRECISION, trained[len(cases):], loss_rtol=1e-3, param_tol=2e-3)
@@ -152,16 +151,14 @@ def test_pp2_with_tp_sp_dp_zero_cp_tied_matches_single_process():
         ("llama", _pp("1f1b", 1, "parallel.cp=2")),
         ("llama", ["parallel.pp=4", "model.tie_embeddings=true"]),
     ]
-    results = run_ranks(H.run_cases, 4, cases, timeout=220,
-                        retry_native_crash=True)
+    results = run_ranks(H.run_cases, 4, cases, timeout=220)
     _check_all(cases, results[0])
 
 
 @pytest.mark.timeout(480)
 def test_dp2_tp2_pp2_on_eight_ranks_matches_single_process():
     cases = [("llama", _pp("1f1b", 1, "parallel.dp=2", "parallel.tp=2"))]
-    results = run_ranks(H.run_cases, 8, cases, timeout=220,
-                        retry_native_crash=True)
+    results = run_ranks(H.run_cases, 8, cases, timeout=220)
     _check_all(cases, results[0])
 
 

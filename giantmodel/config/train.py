@@ -105,6 +105,8 @@ class CheckpointConfig:
     """Start from these weights instead of a random init: a Hugging Face directory or a giantmodel checkpoint directory."""
     save_final: bool = True
     """Save after the last step even when it is not a multiple of every."""
+    fallback: bool = False
+    """When the latest checkpoint fails verification (a file missing, truncated or corrupted), resume from the newest older one that passes instead of stopping with an error."""
 
     def validate(self) -> None:
         if self.every < 0 or self.keep < 0:
