@@ -137,7 +137,8 @@ def _trainer_worker(rank: int, world: int, run_dir: str, backend: str, zero: int
                       else None,
                       [*TINY, f"run.dir={run_dir}", f"comm.backend={backend}",
                        f"parallel.zero={zero}", f"train.steps={STEPS}",
-                       "comm.autotune=false", "checkpoint.every=1000"])
+                       "checkpoint.every=1000",
+                       *(["comm.autotune=false"] if backend == "giant" else [])])
     run_training(cfg)
     if rank != 0:
         return None

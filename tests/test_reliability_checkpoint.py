@@ -174,7 +174,7 @@ def test_malicious_checkpoint_is_refused_and_never_runs(tmp_path, where):
                    step_dir / "ranks" / layout.rank_filename(0))
     if where.endswith("checksums"):
         _rechecksum(step_dir)
-    fragment = "refused to load" if where.endswith("checksums") else "corrupted"
+    fragment = "refused to load" if where.endswith("checksums") else "failed verification"
     with pytest.raises(CheckpointIntegrityError, match=fragment):  # resume
         manager(run).load(state_of(tiny_model(2)))
     if where.startswith("metadata"):
@@ -279,11 +279,10 @@ DISK_FULL_SCRIPT = textwrap.dedent("""
     mgr = manager(run, keep=2)
     mgr.save(1, state_of(tiny_model(1)))
     filler = run / "filler"
-    with open(filler, "wb") as fh:  # fill the file system ...
+    with open(filler, "wb", buffering=0) as fh:  # fill the file system ...
         try:
             while True:
                 fh.write(b"x" * 4096)
-                fh.flush()
         except OSError:
             pass
     # ... then free less than one more checkpoint needs
@@ -312,7 +311,8 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path):
                          capture_output=True, timeout=100, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "CheckpointSaveError" in text and "No space left on device" in text, text
+    # torch's zip writer words a full disk obscurely; the error adds the free space
+    assert "CheckpointSaveError" in text and " MB free on that file system" in text, text
     assert "step 1 stays the latest" in text, text
     assert "AFTER ['latest', 'step-00000001']" in text, text  # no .tmp left behind
     assert "LATEST 1" in text, text

@@ -139,6 +139,25 @@ def _check_one(path: Path, want: dict) -> str | None:
     return None
 
 
+def storage_problems(step_dir: Path, md: dcp_metadata.Metadata) -> list[str]:
+    """Files the DCP metadata points into that are missing or too short for
+    the byte ranges it records: a structural check that needs no checksums."""
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    problems = []
+    for rel, size in sorted(need.items()):
+        path = step_dir / rel
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size < size:
+            problems.append(f"{path} is truncated: {path.stat().st_size} bytes, the metadata "
+                            f"reads up to byte {size}")
+    return problems
+
+
 # ------------------------------------------------------------ safe unpickling
 
 def _metadata_types() -> dict[tuple[str, str], Any]:

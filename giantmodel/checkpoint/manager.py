@@ -75,6 +75,28 @@ def dcp_error_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _load_advice(cause: str) -> str:
+    """What to do about a DCP load failure: a state that does not match the
+    checkpoint is a config change; anything else is a damaged file."""
+    if any(k in cause for k in ("mismatch", "Missing key", "Unexpected key", "KeyError", "size")):
+        return ("If the config changed, use a new run.dir or set checkpoint.resume=false")
+    return ("A file of the checkpoint looks damaged; set checkpoint.fallback=true to resume "
+            "from the newest older checkpoint that verifies")
+
+
+def _free_space(path: Path) -> str:
+    """"12.3 MB free on that file system", or why it cannot be told: a full
+    disk often surfaces as an obscure writer error, so the save error says it."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as e:
+        return f"free space unknown ({e.strerror})"
+    return f"{free / 1e6:.1f} MB free on that file system"
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -108,17 +130,19 @@ def verify_checkpoint(path: Path, process_group=None) -> list[str]:
     problems = integrity.find_problems(path, process_group)
     if not problems:
         try:
-            integrity.read_dcp_metadata(path / layout.DCP_METADATA)
+            md = integrity.read_dcp_metadata(path / layout.DCP_METADATA)
         except CheckpointIntegrityError as e:
-            problems = [str(e)]
+            return [str(e)]
+        # Also holds for checkpoints saved before checksums existed.
+        problems = integrity.storage_problems(path, md)
     return problems
 
 
-def _errors_on_any_rank(error: BaseException | None, group) -> list[str]:
+def _errors_on_any_rank(error: BaseException | str | None, group) -> list[str]:
     """Every rank's error message (rank-tagged), on every rank: so that a
     failure on one rank stops all of them at the same point instead of
     leaving the others waiting in the next collective."""
-    text = None if error is None else f"{type(error).__name__}: {error}"
+    text = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
     if not _distributed():
         return [text] if text else []
     out: list = [None] * dist.get_world_size(group)
@@ -207,7 +231,7 @@ class CheckpointManager:
         error = None
         try:
             self._write_per_rank(tmp, step, per_rank)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as RuntimeError
             error = e
         self._raise_if_failed(error, step, tmp)
         writer = FileSystemWriter(str(tmp), sync_files=True)
@@ -220,8 +244,9 @@ class CheckpointManager:
             with _quiet_single_process():
                 dcp.save(dcp_state, storage_writer=writer, process_group=self.pg,
                          no_dist=not _distributed())
-        except CheckpointException as e:  # a BaseException: make it an ordinary error
-            error = RuntimeError(dcp_error_message(e))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises its
+            # CheckpointException (a BaseException) under a process group, the cause without
+            error = dcp_error_message(e)
         self._raise_if_failed(error, step, tmp)
         error = None
         try:
@@ -229,7 +254,7 @@ class CheckpointManager:
             table = integrity.compute_checksums(tmp, self.pg)
             if self.is_rank0:
                 self._promote(tmp, step, meta, table)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = e
         self._raise_if_failed(error, step, tmp)
 
@@ -272,7 +297,8 @@ class CheckpointManager:
         raise CheckpointSaveError(
             f"saving checkpoint step {step} into {self.dir} failed ({'; '.join(errors)}); "
             f"{f'step {latest}' if latest is not None else 'no checkpoint'} stays the latest. "
-            "Free space or fix permissions there (checkpoint.keep bounds how many are kept)")
+            f"{_free_space(self.dir)}; free space or fix permissions there "
+            "(checkpoint.keep bounds how many checkpoints are kept)")
 
     def wait(self) -> None:
         """Block until a background save has finished and been promoted;
@@ -363,10 +389,10 @@ class CheckpointManager:
             try:
                 dcp_load(dcp_state, path, self.pg)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
+                cause = dcp_error_message(e)
                 raise UserInputError(
                     f"cannot load {path} into this run's state ({', '.join(sorted(dcp_state))}): "
-                    f"{dcp_error_message(e)}. If the config changed, use a new run.dir or set "
-                    "checkpoint.resume=false") from None
+                    f"{cause}. {_load_advice(cause)}") from None
         if per_rank:
             self._load_per_rank(path, per_rank)
         self.run_id = layout.read_meta(path).get("run_id", self.run_id)

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.modes import refuse_unused
 
 BACKENDS = ("auto", "gloo", "nccl", "giant")
 HIERARCHICAL = ("auto", "on", "off")
+# Everything but the backend tunes the giant backend; other backends refuse it.
+_GIANT_ONLY = ("chunk_kb", "threads", "hierarchical", "node_size", "priority", "cuda_cpu_reduce",
+               "autotune", "autotune_refresh", "autotune_cache_dir", "bucket_mb")
 
 
 @dataclass
@@ -77,7 +81,4 @@ class CommConfig:
         if self.bucket_mb < 0:
             raise ConfigError(f"must be >= 0 (0 = tuned), got {self.bucket_mb}",
                               key="comm.bucket_mb")
-        if self.cuda_cpu_reduce and self.backend not in ("giant",):
-            raise ConfigError("CPU-Reduce is a feature of the giant backend; set "
-                              "comm.backend=giant or comm.cuda_cpu_reduce=false",
-                              key="comm.cuda_cpu_reduce")
+        refuse_unused(self, "comm", "backend", dict.fromkeys(_GIANT_ONLY, ("giant",)))

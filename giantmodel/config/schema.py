@@ -56,5 +56,4 @@ class JobConfig:
                 f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
                 f"{self.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len",
                 "train.seq_len")
-        if self.offload.prefetch_layers < 0:
-            raise ConfigError("must be >= 0", "offload.prefetch_layers")
+        self.offload.validate()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.modes import refuse_unused
 
 
 @dataclass
@@ -87,6 +88,8 @@ class OptimConfig:
             raise ConfigError("must be in (0, 1]", "optim.decay_fraction")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("grad_clip and weight_decay must be >= 0", "optim")
+        refuse_unused(self, "optim", "schedule", {"decay_fraction": ("wsd",),
+                                                  "min_lr": ("cosine", "linear", "wsd")})
 
 
 @dataclass
@@ -121,6 +124,11 @@ class OffloadConfig:
     """Move saved activations to pinned host memory after forward; bring them back for backward."""
     prefetch_layers: int = 1
     """How many layers ahead backward prefetches offloaded activations."""
+
+    def validate(self) -> None:
+        if self.prefetch_layers < 0:
+            raise ConfigError("must be >= 0", "offload.prefetch_layers")
+        refuse_unused(self, "offload", "activations", {"prefetch_layers": (True,)})
 
 
 @dataclass
