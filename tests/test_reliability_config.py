@@ -227,7 +227,7 @@ def test_config_fuzzing_300_mutations(tmp_path, run_dir, capsys, stop_before_pro
             args = ["--config", str(cfg), *args]
         try:
             code, err = _train([*args, *SMALL, f"run.dir={run_dir}"], capsys)
-        except BaseException as e:  # noqa: BLE001 - any escape is the failure this test finds
+        except BaseException as e:  # any escape is the failure this test finds
             raise AssertionError(f"mutation {i} ({kind}) {args} {yaml_text!r} raised "
                                  f"{type(e).__name__}: {e}") from e
         label = f"mutation {i} ({kind}) {args} {yaml_text!r}"

@@ -209,7 +209,7 @@ def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
         md = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointIntegrityError:
         raise
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+    except Exception as e:  # any unpickling failure means a bad file
         raise CheckpointIntegrityError(
             f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from None
     if not isinstance(md, dcp_metadata.Metadata):

@@ -32,6 +32,7 @@ from giantmodel.checkpoint import integrity, layout
 from giantmodel.checkpoint.integrity import CheckpointIntegrityError, SafeFileSystemReader, safe_load
 from giantmodel.checkpoint.state import ModelState, is_per_rank, model_config_of
 from giantmodel.config.errors import UserInputError
+from giantmodel.config.loader import to_dict
 from giantmodel.config.train import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class CheckpointManager:
         error = None
         try:
             self._write_per_rank(tmp, step, per_rank)
-        except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as RuntimeError
+        except Exception as e:  # torch.save reports a full disk as RuntimeError
             error = e
         self._raise_if_failed(error, step, tmp)
         writer = FileSystemWriter(str(tmp), sync_files=True)
@@ -244,7 +245,7 @@ class CheckpointManager:
             with _quiet_single_process():
                 dcp.save(dcp_state, storage_writer=writer, process_group=self.pg,
                          no_dist=not _distributed())
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises its
+        except (Exception, CheckpointException) as e:  # DCP raises its
             # CheckpointException (a BaseException) under a process group, the cause without
             error = dcp_error_message(e)
         self._raise_if_failed(error, step, tmp)
@@ -254,7 +255,7 @@ class CheckpointManager:
             table = integrity.compute_checksums(tmp, self.pg)
             if self.is_rank0:
                 self._promote(tmp, step, meta, table)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
+        except Exception as e:  # reported on every rank below
             error = e
         self._raise_if_failed(error, step, tmp)
 
@@ -274,7 +275,7 @@ class CheckpointManager:
                 if self.is_rank0:
                     # no collectives from this thread: rank 0 hashes every file
                     self._promote(tmp, step, meta, integrity.compute_checksums(tmp, distributed=False))
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            except BaseException as e:  # surfaced by wait()
                 self._pending_error = e
                 if self.is_rank0:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -331,7 +332,6 @@ class CheckpointManager:
             os.fsync(fh.fileno())
 
     def _meta(self, step: int, state: dict[str, Any], dcp_state: dict, per_rank: dict) -> dict:
-        from giantmodel.config.loader import to_dict
 
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size,
                 "run_id": self.run_id,
@@ -388,7 +388,7 @@ class CheckpointManager:
         if dcp_state:
             try:
                 dcp_load(dcp_state, path, self.pg)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
+            except (Exception, CheckpointException) as e:
                 cause = dcp_error_message(e)
                 raise UserInputError(
                     f"cannot load {path} into this run's state ({', '.join(sorted(dcp_state))}): "

@@ -161,7 +161,7 @@ def load() -> ctypes.CDLL | None:
             lib = _try_load(path) if path is not None else None
             if path is not None and lib is None:
                 _state["error"] = f"built {path} but could not load it (see the info log)"
-        except Exception as exc:  # noqa: BLE001 - fall back to delegation, loudly
+        except Exception as exc:  # fall back to delegation, loudly
             _state["error"] = str(exc)
             log.warning("giantmodel.comm: could not build the C++ core: %s", exc)
     if lib is None:

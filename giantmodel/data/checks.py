@@ -40,7 +40,7 @@ def _check_indexed(cfg: DataConfig) -> None:
         raise ConfigError(str(e), key="data.tokenizer") from None
     try:
         vocab = load_tokenizer(path).vocab_size
-    except Exception as e:  # noqa: BLE001 - any parse failure of the user's file
+    except Exception as e:  # any parse failure of the user's file
         raise ConfigError(f"cannot read the tokenizer {path} ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else 'empty'})",
                           key="data.tokenizer") from None

@@ -108,9 +108,9 @@ class ContextParallelSDPA(nn.Module):
             dropout_p=self.dropout if self.training else 0.0)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Replace every block's attention core with the context-parallel one."""
-    for block in model.layers.values():
+def apply_context_parallel(blocks: list[nn.Module], cp_mesh) -> None:
+    """Replace each block's attention core with the context-parallel one."""
+    for block in blocks:
         inner = _unwrap(block).attention
         inner.core = ContextParallelSDPA(inner.core, cp_mesh)
 
