@@ -65,10 +65,10 @@ def test_backward_keeps_at_most_prefetch_plus_one_blocks_resident():
         resident_at_use: dict[int, set[int]] = {}
         real_unpack = off._unpack
 
-        def observing_unpack(i, handle, real=real_unpack):
-            if i not in resident_at_use and not isinstance(handle, torch.Tensor):
+        def observing_unpack(i, handle, real=real_unpack, alive=alive, seen=resident_at_use):
+            if i not in seen and not isinstance(handle, torch.Tensor):
                 out = real(i, handle)
-                resident_at_use[i] = {b for b, ref in alive if ref() is not None}
+                seen[i] = {b for b, ref in alive if ref() is not None}
                 return out
             return real(i, handle)
 

@@ -18,7 +18,7 @@ from giantmodel.cli import main
 from giantmodel.data.indexed import IndexedDatasetWriter, bin_path, idx_path
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.ffn_hidden_size=128", "model.vocab_size=256", "model.max_seq_len=64",
+         "model.ffn_hidden_size=128", "model.vocab_size=4096", "model.max_seq_len=64",
          "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4",
          "train.steps=2", "train.sample_tokens=0", "train.eval_every=0", "run.tensorboard=false"]
 
@@ -93,7 +93,8 @@ def test_a_setting_the_selected_mode_ignores_is_refused(overrides, key, switch, 
 def _tokenizer(path: Path, vocab: int) -> Path:
     from tokenizers import Tokenizer, models
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words = {"</s>": 0, **{f"t{i}": i for i in range(1, vocab)}}  # </s> ends a document
+    tok = Tokenizer(models.WordLevel(words, unk_token="t1"))
     tok.save(str(path))
     return path
 
@@ -226,7 +227,10 @@ def test_config_fuzzing_300_mutations(tmp_path, run_dir, capsys, stop_before_pro
             cfg.write_text(yaml_text)
             args = ["--config", str(cfg), *args]
         try:
-            code, err = _train([*args, *SMALL, f"run.dir={run_dir}"], capsys)
+            # the mutation comes last so that it overrides SMALL's value of its key
+            flags = args[:2] if args[:1] == ["--config"] else []
+            small = [x for x in SMALL if x.split("=")[0] != key]  # nor may SMALL undo it
+            code, err = _train([*flags, *small, f"run.dir={run_dir}", *args[len(flags):]], capsys)
         except BaseException as e:  # any escape is the failure this test finds
             raise AssertionError(f"mutation {i} ({kind}) {args} {yaml_text!r} raised "
                                  f"{type(e).__name__}: {e}") from e

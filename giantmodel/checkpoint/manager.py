@@ -197,6 +197,7 @@ class CheckpointManager:
         step = None
         if self.is_rank0:
             self._recover()
+        if self.is_rank0 or not _distributed():  # a reader (generate) repairs nothing
             step = layout.read_latest(self.dir)
         return broadcast_from_rank0(step, self.pg)
 

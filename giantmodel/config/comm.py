@@ -9,9 +9,10 @@ from giantmodel.config.modes import refuse_unused
 
 BACKENDS = ("auto", "gloo", "nccl", "giant")
 HIERARCHICAL = ("auto", "on", "off")
-# Everything but the backend tunes the giant backend; other backends refuse it.
+# These tune the giant backend; other backends refuse them. ``autotune`` is
+# not listed: turning the tuner off where there is none changes nothing.
 _GIANT_ONLY = ("chunk_kb", "threads", "hierarchical", "node_size", "priority", "cuda_cpu_reduce",
-               "autotune", "autotune_refresh", "autotune_cache_dir", "bucket_mb")
+               "autotune_refresh", "autotune_cache_dir", "bucket_mb")
 
 
 @dataclass
