@@ -16,9 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.modes import refuse_unused
 
 SOURCES = ("builtin", "indexed", "synthetic")
 SYNTHETIC_PATTERNS = ("arithmetic", "random")
+# Which sources read a key; the others refuse it (see config.modes).
+_READ_BY = {
+    "paths": ("indexed",), "weights": ("indexed",), "valid_paths": ("indexed",),
+    "tokenizer": ("indexed",), "valid_fraction": ("indexed", "synthetic"),
+    "synthetic_vocab_size": ("synthetic",), "synthetic_pattern": ("synthetic",),
+    "synthetic_num_samples": ("synthetic",), "builtin_vocab_size": ("builtin",),
+    "builtin_max_bytes": ("builtin",), "builtin_valid_every": ("builtin",),
+    "cache_dir": ("builtin",),
+}
 
 
 @dataclass
@@ -83,6 +93,7 @@ class DataConfig:
         if self.source not in SOURCES:
             raise ConfigError(f"unknown data source {self.source!r}; use one of "
                               f"{', '.join(SOURCES)}", key="data.source")
+        refuse_unused(self, "data", "source", _READ_BY)
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ConfigError(f"must be in [0, 1), got {self.valid_fraction}",
                               key="data.valid_fraction")

@@ -65,5 +65,4 @@ class JobConfig:
                 f"has {len(self.recompute_layers)} entries but model.num_layers is "
                 f"{self.model.num_layers}; give one mode per layer, or null to use recompute",
                 "recompute_layers")
-        if self.offload.prefetch_layers < 0:
-            raise ConfigError("must be >= 0", "offload.prefetch_layers")
+        self.offload.validate()
