@@ -29,7 +29,11 @@ from giantmodel.data.samples import BlendedSamples
 STATE_VERSION = 1
 
 
-def _to_batch(samples: np.ndarray) -> dict[str, torch.Tensor]:
+def _to_batch(samples: np.ndarray, packed: bool = False) -> dict[str, torch.Tensor]:
+    if samples.ndim == 3:  # fine-tuning rows: tokens, labels, document ids
+        from giantmodel.data.sft import rows_to_batch
+
+        return rows_to_batch(samples, packed)
     t = torch.from_numpy(samples)  # [B, T+1] int64
     return {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
 
@@ -51,7 +55,9 @@ class TrainLoader:
     """Endless iterator of this rank's training micro-batches.
 
     Each item is ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}``
-    with ``labels`` the inputs shifted left by one.
+    with ``labels`` the inputs shifted left by one (``IGNORE_INDEX`` where a
+    token carries no loss). Packed fine-tuning rows add ``document_ids`` and
+    ``position_ids`` [B, T] (see giantmodel.data.sft).
     """
 
     def __init__(self, samples: BlendedSamples, *, global_batch_size: int, micro_batch_size: int,
@@ -84,7 +90,7 @@ class TrainLoader:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         idx = self.next_indices()
-        batch = _to_batch(self.samples.get_batch(idx.start, self.B))
+        batch = _to_batch(self.samples.get_batch(idx.start, self.B), self.samples.packed)
         self.micro += 1
         if self.micro == self.micro_per_step:
             self.micro = 0
@@ -155,7 +161,7 @@ class ValLoader:
         for j in range(num_batches):
             start = j * self.B * self.dp + self.rank * self.B
             rows = np.stack([self.samples.get((start + i) % n) for i in range(self.B)])
-            yield _to_batch(rows.astype(np.int64, copy=False))
+            yield _to_batch(rows.astype(np.int64, copy=False), self.samples.packed)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.batches(self.num_batches)

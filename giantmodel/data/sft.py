@@ -1,0 +1,397 @@
+"""Supervised fine-tuning data (``data.source: sft``): conversations in, packed
+or padded training rows out.
+
+Inputs are jsonl (or .json list) files, or Hugging Face datasets saved with
+``save_to_disk``, holding one of three record formats:
+
+* alpaca: ``{"instruction", "input"?, "output", "system"?}``;
+* chat messages: ``{"messages": [{"role", "content"}, ...]}`` (OpenAI style);
+* ShareGPT: ``{"conversations": [{"from", "value"}, ...]}``.
+
+Each record becomes a message list, is rendered by the chat template
+(:mod:`giantmodel.data.chat`) and tokenized with a loss mask. A *row* is an
+int64 array ``[3, seq_len + 1]``: token ids, labels (the token where it
+carries loss, else ``IGNORE_INDEX``) and document ids (which example each
+token belongs to; -1 for padding). The loader turns rows into
+``input_ids = tokens[:-1]``, ``labels = labels[1:]`` and, for packed rows,
+``document_ids`` and ``position_ids`` that restart at every example.
+
+An example's first token never carries loss (nothing predicts it), so the
+shift never makes one example predict the next across a packing boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from giantmodel.config.errors import ConfigError, UserInputError
+from giantmodel.core.loss import IGNORE_INDEX
+from giantmodel.data.chat import ROLES, ChatTemplate, encode_conversation
+
+PAD_DOCUMENT = -1
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "model": "assistant", "chatgpt": "assistant", "bing": "assistant",
+                   "system": "system", "tool": "tool", "function_call": "assistant",
+                   "observation": "tool"}
+
+
+# --------------------------------------------------------------------------- records
+
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for every record of a jsonl/json file or a HF dataset
+    directory; ``where`` names the file and line (or row) for error messages."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        yield from _read_hf_dataset(p)
+        return
+    if not p.is_file():
+        raise UserInputError(f"SFT data file {p} does not exist (data.paths); give jsonl/json "
+                             "files or Hugging Face dataset directories (save_to_disk)")
+    if p.suffix == ".json":
+        try:
+            rows = json.loads(p.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise UserInputError(f"{p}: not valid JSON ({e})") from None
+        if not isinstance(rows, list):
+            raise UserInputError(f"{p}: a .json SFT file must hold a list of records; "
+                                 "use .jsonl for one record per line")
+        for i, rec in enumerate(rows):
+            yield f"{p} record {i}", rec
+        return
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{p}:{lineno}", json.loads(line)
+            except ValueError as e:
+                raise UserInputError(f"{p}:{lineno}: not valid JSON ({e})") from None
+
+
+def _read_hf_dataset(p: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserInputError(f"{p} is a directory; reading Hugging Face datasets needs the "
+                             "`datasets` package: pip install 'giantmodel[hf]'") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserInputError(f"{p}: not a dataset saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UserInputError(f"{p} holds splits {sorted(ds)} but no 'train'; save the split "
+                                 "to train on by itself")
+        ds = ds["train"]
+    for i, rec in enumerate(ds):
+        yield f"{p} row {i}", rec
+
+
+def _text(value, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise UserInputError(f"{where}: {what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def record_format(rec: dict, where: str) -> str:
+    if not isinstance(rec, dict):
+        raise UserInputError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    if "messages" in rec:
+        return "messages"
+    if "conversations" in rec:
+        return "sharegpt"
+    if "instruction" in rec:
+        return "alpaca"
+    raise UserInputError(f"{where}: cannot tell the record's format from its keys "
+                         f"{sorted(rec)[:6]}; expected 'messages' (chat), 'conversations' "
+                         "(ShareGPT) or 'instruction'/'output' (alpaca)")
+
+
+def to_messages(rec: dict, fmt: str, where: str) -> list[dict]:
+    """The record as ``[{"role", "content"}, ...]``; raises on malformed input."""
+    fmt = record_format(rec, where) if fmt == "auto" else fmt
+    if fmt == "alpaca":
+        for key in ("instruction", "output"):
+            if key not in rec:
+                raise UserInputError(f"{where}: alpaca record has no {key!r}; alpaca records need "
+                                     "instruction and output (input optional)")
+        prompt = _text(rec["instruction"], where, "instruction")
+        extra = rec.get("input") or ""
+        if _text(extra, where, "input"):
+            prompt = f"{prompt}\n\n{extra}"
+        msgs = [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": _text(rec["output"], where, "output")}]
+        if rec.get("system"):
+            msgs.insert(0, {"role": "system", "content": _text(rec["system"], where, "system")})
+        return msgs
+    key, role_key, content_key = (("messages", "role", "content") if fmt == "messages"
+                                  else ("conversations", "from", "value"))
+    turns = rec.get(key)
+    if not isinstance(turns, list) or not turns:
+        raise UserInputError(f"{where}: {key!r} must be a non-empty list of turns")
+    out = []
+    for j, m in enumerate(turns):
+        if not isinstance(m, dict) or role_key not in m:
+            raise UserInputError(f"{where}: message {j} has no {role_key!r}; every turn needs "
+                                 f"{role_key!r} and {content_key!r}")
+        if content_key not in m:
+            raise UserInputError(f"{where}: message {j} has no {content_key!r}")
+        role = m[role_key]
+        if fmt == "sharegpt":
+            role = _SHAREGPT_ROLES.get(str(role).lower())
+            if role is None:
+                raise UserInputError(f"{where}: message {j} has unknown 'from' {m[role_key]!r}; "
+                                     f"use one of {', '.join(sorted(_SHAREGPT_ROLES))}")
+        elif role not in ROLES:
+            raise UserInputError(f"{where}: message {j} has unknown role {role!r}; use one of "
+                                 f"{', '.join(ROLES)}")
+        out.append({"role": role, "content": _text(m[content_key], where,
+                                                   f"message {j} {content_key}")})
+    return out
+
+
+def load_conversations(paths: list[str], fmt: str) -> list[list[dict]]:
+    """Every record of ``paths`` as a message list, in file order."""
+    return [to_messages(rec, fmt, where) for p in paths for where, rec in read_records(p)]
+
+
+# --------------------------------------------------------------------------- examples -> rows
+
+@dataclass
+class SFTStats:
+    """What happened to the examples on their way to rows (reported at start)."""
+
+    examples: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    dropped_no_response: int = 0
+    rows: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    seq_len: int = 0
+    packed: bool = False
+    template: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self, name: str) -> str:
+        cap = self.rows * (self.seq_len + 1)
+        parts = [f"sft {name}: {self.kept}/{self.examples} examples ({self.template} template)"]
+        if self.truncated:
+            parts.append(f"{self.truncated} truncated to {self.seq_len + 1} tokens")
+        if self.dropped_too_long:
+            parts.append(f"{self.dropped_too_long} dropped as longer than {self.seq_len + 1} "
+                         "tokens")
+        if self.dropped_no_response:
+            parts.append(f"{self.dropped_no_response} dropped with no response tokens")
+        parts.append(f"{self.rows} {'packed' if self.packed else 'padded'} rows, "
+                     f"{self.tokens / max(cap, 1):.0%} filled, "
+                     f"{self.loss_tokens / max(self.tokens, 1):.0%} of tokens carry loss")
+        return "; ".join(parts)
+
+
+def tokenize_examples(conversations: list[list[dict]], tokenizer, template: ChatTemplate,
+                      mask_prompt: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [encode_conversation(tokenizer, template, c, mask_prompt) for c in conversations]
+
+
+def fit_examples(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, truncate: bool,
+                 stats: SFTStats) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut (or drop) examples longer than ``seq_len + 1`` tokens; drop those
+    left with no loss token after the first (nothing to learn)."""
+    cap = seq_len + 1
+    out = []
+    for ids, mask in examples:
+        stats.examples += 1
+        if len(ids) > cap:
+            if not truncate:
+                stats.dropped_too_long += 1
+                continue
+            ids, mask = ids[:cap], mask[:cap]
+            stats.truncated += 1
+        if len(ids) < 2 or not mask[1:].any():
+            stats.dropped_no_response += 1
+            continue
+        out.append((ids, mask))
+    stats.kept = len(out)
+    return out
+
+
+def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pack: bool,
+               pad_id: int, stats: SFTStats) -> np.ndarray:
+    """int64 ``[N, 3, seq_len + 1]`` rows: one example per row, padded; or
+    examples laid end to end in order, a new row starting when the next one
+    does not fit (every example is at most ``seq_len + 1`` tokens)."""
+    cap = seq_len + 1
+    groups: list[list[int]] = []
+    used = cap
+    for i, (ids, _) in enumerate(examples):
+        if not pack or used + len(ids) > cap:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += len(ids)
+    rows = np.empty((len(groups), 3, cap), dtype=np.int64)
+    rows[:, 0] = pad_id
+    rows[:, 1] = IGNORE_INDEX
+    rows[:, 2] = PAD_DOCUMENT
+    for r, group in enumerate(groups):
+        pos = 0
+        for doc, i in enumerate(group):
+            ids, mask = examples[i]
+            n = len(ids)
+            labels = np.where(mask, ids, IGNORE_INDEX)
+            labels[0] = IGNORE_INDEX  # never predicted, and keeps examples apart
+            rows[r, 0, pos:pos + n] = ids
+            rows[r, 1, pos:pos + n] = labels
+            rows[r, 2, pos:pos + n] = doc
+            pos += n
+    stats.rows, stats.seq_len, stats.packed = len(groups), seq_len, pack
+    stats.tokens = int(sum(len(ids) for ids, _ in examples))
+    stats.loss_tokens = int((rows[:, 1, 1:] != IGNORE_INDEX).sum())
+    return rows
+
+
+class SFTRows:
+    """Fine-tuning rows as a sample source for :class:`BlendedSamples`."""
+
+    def __init__(self, rows: np.ndarray, seq_len: int, packed: bool, name: str = "sft"):
+        self.rows, self.seq_len, self.packed, self.name = rows, seq_len, packed, name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self.rows):
+            raise IndexError(i)
+        return self.rows[i]
+
+
+def rows_to_batch(rows, packed: bool) -> dict:
+    """Loader batch from int64 rows ``[B, 3, T + 1]`` (see the module docstring)."""
+    import torch
+
+    t = torch.as_tensor(rows)
+    batch = {"input_ids": t[:, 0, :-1].contiguous(), "labels": t[:, 1, 1:].contiguous()}
+    if packed:
+        docs = t[:, 2, :-1].contiguous()
+        batch["document_ids"] = docs
+        batch["position_ids"] = document_positions(docs)
+    return batch
+
+
+def document_positions(docs):
+    """Position ids that restart at 0 wherever the document id changes."""
+    import torch
+
+    B, T = docs.shape
+    idx = torch.arange(T).expand(B, T)
+    start = torch.ones(B, T, dtype=torch.bool)
+    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    run_start = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - run_start
+
+
+# --------------------------------------------------------------------------- config entry
+
+def sft_tokenizer_path(cfg, init_from: str | None = None) -> str:
+    """``data.tokenizer``, else the tokenizer beside the initial weights
+    (``checkpoint.init_from``), else the bundled tiny chat tokenizer."""
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if init_from:
+        from giantmodel.data.sft_builtin import resolve_model_dir
+
+        d = resolve_model_dir(init_from, cfg)
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file():
+            return str(d)
+        raise ConfigError(f"checkpoint.init_from {init_from} has no tokenizer.json or "
+                          "tokenizer.model; set data.tokenizer", key="data.tokenizer")
+    from giantmodel.data.sft_builtin import ensure_tiny_chat_model
+
+    return str(ensure_tiny_chat_model(cfg.resolved_cache_dir()))
+
+
+def sft_template(cfg, tokenizer, tokenizer_path: str) -> ChatTemplate:
+    from giantmodel.data.chat import resolve_template
+
+    try:
+        return resolve_template(cfg.chat_template, tokenizer, tokenizer_path)
+    except UserInputError as e:
+        raise ConfigError(str(e), key="data.chat_template") from None
+
+
+def sft_conversations(cfg) -> tuple[list[list[dict]], list[list[dict]]]:
+    """Training and validation conversations: ``data.paths`` (the last
+    ``valid_fraction`` held out unless ``data.valid_paths`` is set), or the
+    bundled tiny instruction set when ``data.paths`` is empty."""
+    if not cfg.paths:
+        from giantmodel.data.sft_builtin import tiny_instructions
+
+        train, valid = tiny_instructions()
+        return ([to_messages(r, "auto", f"bundled record {i}") for i, r in enumerate(train)],
+                [to_messages(r, "auto", f"bundled valid {i}") for i, r in enumerate(valid)])
+    train = load_conversations(cfg.paths, cfg.format)
+    if cfg.valid_paths:
+        return train, load_conversations(cfg.valid_paths, cfg.format)
+    from giantmodel.data.samples import split_documents
+
+    n = split_documents(len(train), cfg.valid_fraction)
+    return train[:n], train[n:]
+
+
+def build_sft_sources(cfg, *, seq_len: int, init_from: str | None = None,
+                      report: bool = True) -> tuple[SFTRows, SFTRows | None]:
+    """Training and validation rows for a DataConfig with source "sft"."""
+    from giantmodel.data.tokenizer import load_tokenizer
+
+    tok_path = sft_tokenizer_path(cfg, init_from)
+    tok = load_tokenizer(tok_path)
+    template = sft_template(cfg, tok, tok_path)
+    train_conv, valid_conv = sft_conversations(cfg)
+    out = []
+    for name, convs in (("train", train_conv), ("valid", valid_conv)):
+        stats = SFTStats(template=template.name)
+        examples = fit_examples(tokenize_examples(convs, tok, template, cfg.mask_prompt),
+                                seq_len, cfg.truncate, stats)
+        if not examples:
+            out.append(None)
+            if name == "train":
+                raise ConfigError(f"no usable SFT examples ({stats.examples} read; "
+                                  f"{stats.dropped_too_long} longer than train.seq_len+1, "
+                                  f"{stats.dropped_no_response} with no response tokens)",
+                                  key="data.paths")
+            continue
+        rows = build_rows(examples, seq_len, cfg.pack, tok.eos_id, stats)
+        if report and os.environ.get("RANK", "0") == "0":
+            print("giantmodel: " + stats.summary(name), file=sys.stderr, flush=True)
+        src = SFTRows(rows, seq_len, cfg.pack, name=f"sft-{name}")
+        src.stats = stats
+        out.append(src)
+    return out[0], out[1]
+
+
+def check_sft(cfg) -> None:
+    """Pre-flight: every record of every file parses into valid messages, and
+    the named template exists (no tokenizer needed)."""
+    from giantmodel.data.chat import BUILTIN_TEMPLATES, template_error
+
+    for key, paths in (("data.paths", cfg.paths), ("data.valid_paths", cfg.valid_paths)):
+        for p in paths:
+            try:
+                for where, rec in read_records(p):
+                    to_messages(rec, cfg.format, where)
+            except UserInputError as e:
+                raise ConfigError(str(e), key=key) from None
+    t = cfg.chat_template
+    if not (t == "auto" or t in BUILTIN_TEMPLATES or "{{" in t or "{%" in t):
+        if not Path(t).expanduser().is_file():
+            raise ConfigError(template_error(t), key="data.chat_template")
