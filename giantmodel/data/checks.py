@@ -22,6 +22,10 @@ def check_data(cfg: DataConfig) -> None:
         _check_indexed(cfg)
     elif cfg.source == "builtin":
         _check_cache_dir(cfg)
+    elif cfg.source == "sft":
+        from giantmodel.data.sft import check_sft
+
+        check_sft(cfg)
 
 
 def _check_indexed(cfg: DataConfig) -> None:

@@ -134,7 +134,10 @@ def to_messages(rec: dict, fmt: str, where: str) -> list[dict]:
         return msgs
     key, role_key, content_key = (("messages", "role", "content") if fmt == "messages"
                                   else ("conversations", "from", "value"))
-    turns = rec.get(key)
+    if key not in rec:
+        raise UserInputError(f"{where}: record has no {key!r} (data.format is {fmt}; "
+                             "auto tells the format of each record by its keys)")
+    turns = rec[key]
     if not isinstance(turns, list) or not turns:
         raise UserInputError(f"{where}: {key!r} must be a non-empty list of turns")
     out = []
