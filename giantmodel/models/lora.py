@@ -62,12 +62,24 @@ class LoRALinear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if hasattr(self.weight, "get_original_weight"):  # QLoRA: a torchao NF4 base
+            # Function-local import: torchao is optional and only NF4 bases need it.
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+            out = linear_nf4(x, self.weight)
+            out = out + self.bias if self.bias is not None else out
+        else:
+            out = F.linear(x, self.weight, self.bias)
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def base_weight(self) -> torch.Tensor:
+        """The base weight in floating point (dequantised when NF4)."""
+        w = self.weight
+        return w.get_original_weight() if hasattr(w, "get_original_weight") else w
 
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha/r) B A, the weight of the equivalent plain linear."""
-        return self.weight + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+        return self.base_weight() + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -113,6 +125,26 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float,
             setattr(parent, leaf, LoRALinear.from_linear(base, rank, alpha, dropout))
             done.append(f"layers.{idx}.{path}")
     return done
+
+
+def quantize_base_nf4(model: nn.Module) -> int:
+    """QLoRA: store every adapted linear's frozen base weight as a 4-bit
+    NormalFloat tensor (torchao; blocks of 64 values, double-quantised
+    scales). Returns the number of weights quantised."""
+    from giantmodel.config.errors import UserInputError
+
+    try:
+        # Function-local import: torchao is an optional dependency of QLoRA only.
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError:
+        raise UserInputError("lora.quantize_base=nf4 needs torchao (pip install torchao); "
+                             "or set lora.quantize_base=none") from None
+    n = 0
+    for m in model.modules():
+        if isinstance(m, LoRALinear) and not hasattr(m.weight, "get_original_weight"):
+            m.weight = nn.Parameter(to_nf4(m.weight.detach()), requires_grad=False)
+            n += 1
+    return n
 
 
 def is_lora_param(name: str) -> bool:
