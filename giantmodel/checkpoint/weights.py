@@ -25,20 +25,22 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 
 
 def load_model_weights(parts: nn.Module | list[nn.Module], path: str | os.PathLike,
-                       process_group=None) -> Path:
+                       process_group=None, keep=None) -> Path:
     """Fill ``parts`` (plain, sharded or pipeline stages) with the weights
     saved at ``path``: a HF directory, or a giantmodel run directory,
     ``checkpoints`` directory or step directory (its newest checkpoint).
-    Optimizer and other state in the checkpoint are ignored. Returns the
-    directory read. Under a process group every rank must call this."""
+    Optimizer and other state in the checkpoint are ignored. ``keep``
+    (name -> bool) limits which parameters are filled, e.g. a LoRA model's
+    frozen base without its adapters. Returns the directory read. Under a
+    process group every rank must call this."""
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     if is_hf_dir(path):
         from giantmodel.models.hf import load_hf_into
-        load_hf_into(parts, path)
+        load_hf_into(parts, path, keep=keep)
         return Path(path)
     step_dir = layout.resolve_checkpoint_dir(path)
     try:
-        dcp_load({"model": ModelState(parts)}, step_dir, process_group)
+        dcp_load({"model": ModelState(parts, keep)}, step_dir, process_group)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
         raise UserInputError(f"{step_dir}: cannot load model weights ({dcp_error_message(e)}); "
                              "was the checkpoint saved by a model with this config?") from None

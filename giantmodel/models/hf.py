@@ -351,26 +351,29 @@ def native_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 # --------------------------------------------------------------------------- load
 
-def _targets(parts: Iterable[nn.Module]) -> dict[str, list[torch.Tensor]]:
+def _targets(parts: Iterable[nn.Module], keep=None) -> dict[str, list[torch.Tensor]]:
     """Canonical parameter name -> the parameters (over all parts) it names."""
     from giantmodel.models.registry import canonical_name
     out: dict[str, list[torch.Tensor]] = {}
     for part in parts:
         for fqn, p in part.named_parameters(remove_duplicate=False):
-            out.setdefault(canonical_name(fqn), []).append(p)
+            name = canonical_name(fqn)
+            if keep is None or keep(name):
+                out.setdefault(name, []).append(p)
     return out
 
 
 def load_hf_into(parts: list[nn.Module], path: str | os.PathLike,
-                 cfg: ModelConfig | None = None) -> None:
+                 cfg: ModelConfig | None = None, keep=None) -> None:
     """Copy a HF checkpoint's weights into ``parts``, which may be plain,
     pipeline stages (each holding some layers) or DTensor-sharded: each
     parameter takes its own shard of the full tensor. Every parameter of
-    ``parts`` must be covered by the checkpoint."""
+    ``parts`` (that ``keep``, name -> bool, selects) must be covered by the
+    checkpoint."""
     from giantmodel.models.registry import copy_full_into
 
     cfg = cfg or hf_config_to_model_config(read_hf_config(path))
-    targets = _targets(parts)
+    targets = _targets(parts, keep)
     filled: set[int] = set()
     for hf_name, tensor in iter_hf_tensors(path):
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
