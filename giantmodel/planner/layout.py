@@ -51,6 +51,12 @@ class Layout:
     offload_optimizer: bool
     stage_layers: tuple[int, ...]
     bucket_mb: float = 25.0
+    lora_rank: int = 0
+    """LoRA adapter rank (0: every parameter trains)."""
+    lora_paths: tuple[str, ...] = ()
+    """Block linears carrying adapters (e.g. ``attention.wq``); the rest is frozen."""
+    lora_nf4: bool = False
+    """QLoRA: adapted base weights stored as 4-bit NF4."""
 
     @property
     def dp_replicate(self) -> int:
@@ -79,6 +85,8 @@ class Layout:
             parts.append(f"cp{self.cp}")
         parts.append(f"mb{self.micro_batch}x{self.n_micro}")
         parts.append(f"rc:{self.recompute}")
+        if self.lora_rank:
+            parts.append(f"lora{self.lora_rank}" + ("-nf4" if self.lora_nf4 else ""))
         if self.offload_activations:
             parts.append("act-offload")
         if self.offload_optimizer:
@@ -103,10 +111,16 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         micro_batch = cfg.train.global_batch_size // dims.dp // n_micro
         split = list(dims.pipeline.layer_counts)
     offload_opt = bool(getattr(cfg.offload, "optimizer", False))
+    lora = {}
+    if getattr(cfg, "objective", "lm") == "lora":
+        from giantmodel.models.lora import block_targets
+
+        lora = dict(lora_rank=cfg.lora.rank, lora_nf4=cfg.lora.quantize_base == "nf4",
+                    lora_paths=tuple(block_targets(cfg.lora.targets, cfg.model.arch)))
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
         zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
         micro_batch=micro_batch, n_micro=n_micro, seq_len=cfg.train.seq_len,
         precision=cfg.precision, recompute=cfg.recompute,
         offload_activations=cfg.offload.activations, offload_optimizer=offload_opt,
-        stage_layers=tuple(split), bucket_mb=p.bucket_mb)
+        stage_layers=tuple(split), bucket_mb=p.bucket_mb, **lora)
