@@ -7,6 +7,7 @@ from typing import Literal
 
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.lora import LoRAConfig
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
 from giantmodel.config.train import (CheckpointConfig, OffloadConfig, OptimConfig,
@@ -41,6 +42,8 @@ class JobConfig:
     """Activation offload to host memory."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory and reporting."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters for the lora objective (ignored by the others)."""
 
     def validate(self) -> None:
         """Checks that need no process group and no world size."""

@@ -130,7 +130,8 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float,
 def quantize_base_nf4(model: nn.Module) -> int:
     """QLoRA: store every adapted linear's frozen base weight as a 4-bit
     NormalFloat tensor (torchao; blocks of 64 values, double-quantised
-    scales). Returns the number of weights quantised."""
+    scales). A weight whose size is not a multiple of 64 x 256 values (the
+    scale blocks) stays in floating point. Returns the number quantised."""
     from giantmodel.config.errors import UserInputError
 
     try:
@@ -141,7 +142,8 @@ def quantize_base_nf4(model: nn.Module) -> int:
                              "or set lora.quantize_base=none") from None
     n = 0
     for m in model.modules():
-        if isinstance(m, LoRALinear) and not hasattr(m.weight, "get_original_weight"):
+        if (isinstance(m, LoRALinear) and not hasattr(m.weight, "get_original_weight")
+                and m.weight.numel() % (64 * 256) == 0):
             m.weight = nn.Parameter(to_nf4(m.weight.detach()), requires_grad=False)
             n += 1
     return n
