@@ -11,8 +11,15 @@ import torch
 
 from giantmodel.config import load_config
 from giantmodel.config.errors import ConfigError
-from giantmodel.models.lora import (LoRALinear, apply_lora, freeze_base, is_lora_param,
-                                    lora_init_tensor, merge_lora_state, save_peft_adapter)
+from giantmodel.models.lora import (
+    LoRALinear,
+    apply_lora,
+    freeze_base,
+    is_lora_param,
+    lora_init_tensor,
+    merge_lora_state,
+    save_peft_adapter,
+)
 
 TOL = 1e-5
 
@@ -168,9 +175,10 @@ def test_qlora_nf4_base_on_cpu():
 
 
 def test_adapter_only_state_round_trip(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
     from giantmodel.checkpoint.manager import dcp_load
     from giantmodel.checkpoint.state import ModelState
-    import torch.distributed.checkpoint as dcp
 
     def model():
         m = torch.nn.Module()

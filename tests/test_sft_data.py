@@ -17,13 +17,11 @@ from giantmodel.config.errors import ConfigError, UserInputError
 
 transformers = pytest.importorskip("transformers")
 
-from giantmodel.core.loss import IGNORE_INDEX  # noqa: E402
-from giantmodel.data.chat import (BUILTIN_TEMPLATES, ChatTemplate,  # noqa: E402
-                                  encode_conversation, resolve_template)
-from giantmodel.data.sft import (SFTStats, build_rows, fit_examples, read_records,  # noqa: E402
-                                 rows_to_batch, to_messages)
-from giantmodel.data.sft_builtin import _train_tokenizer, tiny_instructions  # noqa: E402
-from giantmodel.data.tokenizer import load_tokenizer  # noqa: E402
+from giantmodel.core.loss import IGNORE_INDEX
+from giantmodel.data.chat import BUILTIN_TEMPLATES, ChatTemplate, encode_conversation, resolve_template
+from giantmodel.data.sft import SFTStats, build_rows, fit_examples, read_records, rows_to_batch, to_messages
+from giantmodel.data.sft_builtin import _train_tokenizer, tiny_instructions
+from giantmodel.data.tokenizer import load_tokenizer
 
 RECORDS = {
     "alpaca": {"instruction": "Reverse the word 'river'.", "input": "Answer in lower case.",

@@ -109,7 +109,7 @@ def _environment():
         """``{% generation %}body{% endgeneration %}``: the body, bracketed by
         markers that :meth:`ChatTemplate.render` turns into spans."""
 
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 - jinja's Extension API reads a set
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

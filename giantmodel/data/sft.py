@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -382,6 +382,21 @@ def build_sft_sources(cfg, *, seq_len: int, init_from: str | None = None,
     return out[0], out[1]
 
 
+def prepare_sft(job) -> None:
+    """Pre-flight for a job: ``checkpoint.init_from: builtin:tiny-chat`` becomes
+    the built model's directory and, for source "sft", an unset
+    ``data.tokenizer`` becomes the one beside the initial weights, so the
+    resolved config (and ``generate`` later) names concrete paths."""
+    from giantmodel.data.sft_builtin import BUILTIN_PREFIX, resolve_model_dir
+
+    init = job.checkpoint.init_from
+    if init and init.startswith(BUILTIN_PREFIX):
+        job.checkpoint.init_from = str(resolve_model_dir(init, job.data))
+    if job.data.source == "sft":
+        job.data.tokenizer = sft_tokenizer_path(job.data, job.checkpoint.init_from)
+        check_sft(job.data)
+
+
 def check_sft(cfg) -> None:
     """Pre-flight: every record of every file parses into valid messages, and
     the named template exists (no tokenizer needed)."""
@@ -395,6 +410,6 @@ def check_sft(cfg) -> None:
             except UserInputError as e:
                 raise ConfigError(str(e), key=key) from None
     t = cfg.chat_template
-    if not (t == "auto" or t in BUILTIN_TEMPLATES or "{{" in t or "{%" in t):
-        if not Path(t).expanduser().is_file():
-            raise ConfigError(template_error(t), key="data.chat_template")
+    named = t == "auto" or t in BUILTIN_TEMPLATES or "{{" in t or "{%" in t
+    if not named and not Path(t).expanduser().is_file():
+        raise ConfigError(template_error(t), key="data.chat_template")

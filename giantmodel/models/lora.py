@@ -53,7 +53,7 @@ class LoRALinear(nn.Module):
 
     @classmethod
     def from_linear(cls, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0
-                    ) -> "LoRALinear":
+                    ) -> LoRALinear:
         """Wrap ``base`` keeping its parameter objects (meta or real)."""
         m = cls(base.in_features, base.out_features, rank, alpha, dropout,
                 bias=base.bias is not None, device=base.weight.device, dtype=base.weight.dtype)

@@ -22,15 +22,21 @@ import sys
 from pathlib import Path
 
 import torch
+from giantmodel.objectives.lm import LanguageModel
+from giantmodel.parallel.objective import StageSpec
 from torch import nn
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.lora import LoRAConfig
-from giantmodel.models.lora import (apply_lora, block_targets, freeze_base, is_lora_param,
-                                    lora_init_tensor, quantize_base_nf4)
+from giantmodel.models.lora import (
+    apply_lora,
+    block_targets,
+    freeze_base,
+    is_lora_param,
+    lora_init_tensor,
+    quantize_base_nf4,
+)
 from giantmodel.models.registry import canonical_name, copy_full_into
-from giantmodel.objectives.lm import LanguageModel
-from giantmodel.parallel.objective import StageSpec
 
 
 def _is_base(name: str) -> bool:

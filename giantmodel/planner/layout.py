@@ -115,8 +115,8 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
     if getattr(cfg, "objective", "lm") == "lora":
         from giantmodel.models.lora import block_targets
 
-        lora = dict(lora_rank=cfg.lora.rank, lora_nf4=cfg.lora.quantize_base == "nf4",
-                    lora_paths=tuple(block_targets(cfg.lora.targets, cfg.model.arch)))
+        lora = {"lora_rank": cfg.lora.rank, "lora_nf4": cfg.lora.quantize_base == "nf4",
+                "lora_paths": tuple(block_targets(cfg.lora.targets, cfg.model.arch))}
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
         zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
