@@ -91,6 +91,7 @@ def test_init_is_peft_like_and_layout_independent():
     assert abs(g.std().item() - 1 / 4) < 0.01
     # B = 0: the adapted layer starts as the base layer.
     with torch.no_grad():
+        m.weight.copy_(torch.randn(32, 48))
         m.lora_A.weight.copy_(a)
         m.lora_B.weight.zero_()
     x = torch.randn(5, 48)
@@ -230,8 +231,7 @@ def test_planner_counts_lora_states():
               "train.global_batch_size=1", "precision=bf16", "lora.rank=8",
               "lora.targets=[all_linear]"]
     full = load_config(overrides=common)
-    lora = load_config(overrides=common)
-    lora.objective = "lora"
+    lora = load_config(overrides=common + ["objective=lora"])
     cluster = Cluster(1, 1)
     f = memory_report(full.model, resolve_layout(full, cluster), None).ranks[0].components
     layout = resolve_layout(lora, cluster)
@@ -245,3 +245,13 @@ def test_planner_counts_lora_states():
     lora.lora.quantize_base = "nf4"
     q = memory_report(lora.model, resolve_layout(lora, cluster), None).ranks[0].components
     assert q["params"] < 0.5 * lo["params"]
+
+
+def test_cli_refuses_bad_lora_before_training(capsys):
+    from giantmodel.cli import main
+
+    assert main(["train", "objective=lora", "lora.rank=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: lora.rank") and "\n" not in err
+    assert main(["train", "objective=lora", "lora.targets=[q_pro]"]) == 2
+    assert "'q_pro' matches no module" in capsys.readouterr().err

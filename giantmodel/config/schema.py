@@ -20,6 +20,10 @@ class JobConfig:
     """One training job. Its defaults are the embedded default run: a tiny
     LLaMA trained on the Python standard library's sources, on the CPU."""
 
+    objective: str = "lm"
+    """What training optimises: "lm" (next-token prediction: pretraining and
+    supervised fine-tuning) or "lora" (low-rank adapters on a frozen base,
+    configured in the lora section)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture and shape."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -54,6 +58,10 @@ class JobConfig:
         self.checkpoint.validate()
         self.comm.validate()
         self.data.validate()
+        if self.objective not in ("lm", "lora"):
+            raise ConfigError(f"unknown objective {self.objective!r}; use lm or lora", "objective")
+        if self.objective == "lora":
+            self.lora.validate(self.model.arch)
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
