@@ -19,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from giantmodel.core.loss import IGNORE_INDEX
 from giantmodel.data.chat import BUILTIN_TEMPLATES, ChatTemplate, encode_conversation, resolve_template
-from giantmodel.data.sft import SFTStats, build_rows, fit_examples, read_records, rows_to_batch, to_messages
+from giantmodel.data.conversations import read_records, to_messages
+from giantmodel.data.loader import rows_to_batch
+from giantmodel.data.sft import SFTStats, build_rows, fit_examples
 from giantmodel.data.sft_builtin import _train_tokenizer, tiny_instructions
 from giantmodel.data.tokenizer import load_tokenizer
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from giantmodel.config import load_config
 from giantmodel.core.loss import IGNORE_INDEX
-from giantmodel.data.sft import SFTStats, build_rows, fit_examples, rows_to_batch
+from giantmodel.data.loader import rows_to_batch
+from giantmodel.data.sft import SFTStats, build_rows, fit_examples
 from giantmodel.models import build_model, init_weights
 from giantmodel.models.common import masks
 

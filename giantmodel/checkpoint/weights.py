@@ -16,7 +16,12 @@ from giantmodel.checkpoint import layout
 from giantmodel.checkpoint.manager import dcp_error_message, dcp_load
 from giantmodel.checkpoint.state import ModelState
 from giantmodel.config.errors import UserInputError
+from giantmodel.config.loader import from_dict
+from giantmodel.config.lora import LoRAConfig
 from giantmodel.config.model import ModelConfig
+from giantmodel.models.hf import from_hf, load_hf_into
+from giantmodel.models.lora import apply_lora, is_lora_param
+from giantmodel.models.registry import build_model
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -35,7 +40,6 @@ def load_model_weights(parts: nn.Module | list[nn.Module], path: str | os.PathLi
     process group every rank must call this."""
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     if is_hf_dir(path):
-        from giantmodel.models.hf import load_hf_into
         load_hf_into(parts, path, keep=keep)
         return Path(path)
     step_dir = layout.resolve_checkpoint_dir(path)
@@ -51,7 +55,6 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a giantmodel checkpoint: from the run's
     ``config.yaml`` (``run.dir/config.yaml``, two levels above a step
     directory), else from the checkpoint's own ``meta.json``."""
-    from giantmodel.config.loader import from_dict
 
     step_dir = layout.resolve_checkpoint_dir(path)
     for candidate in (step_dir.parent.parent / "config.yaml", step_dir / "config.yaml"):
@@ -66,22 +69,48 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
                          "directory and no model_config in meta.json")
 
 
+def read_lora_settings(path: str | os.PathLike) -> tuple[LoRAConfig, str | None] | None:
+    """``(lora section, checkpoint.init_from)`` of the run that wrote the
+    checkpoint at ``path`` when it trained the lora objective, else None."""
+    step_dir = layout.resolve_checkpoint_dir(path)
+    run_cfg = step_dir.parent.parent / "config.yaml"
+    if not run_cfg.is_file():
+        return None
+    raw = yaml.safe_load(run_cfg.read_text()) or {}
+    if raw.get("objective") != "lora":
+        return None
+    lora = from_dict(LoRAConfig, raw.get("lora") or {}, prefix="lora")
+    return lora, (raw.get("checkpoint") or {}).get("init_from")
+
+
 def load_model_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
                                dtype: torch.dtype | None = None) -> nn.Module:
     """A whole model built from a checkpoint's config and weights (one
-    process, no process group), in eval mode, carrying ``model.cfg``."""
-    from giantmodel.models.registry import build_model
+    process, no process group), in eval mode, carrying ``model.cfg``.
+
+    A LoRA run's model comes back with its adapters (``LoRALinear`` modules);
+    when its checkpoints hold only the adapters, the frozen base is read
+    from the run's ``checkpoint.init_from``."""
 
     if is_hf_dir(path):
-        from giantmodel.models.hf import from_hf
         return from_hf(path, device=device, dtype=dtype)
     cfg = read_model_config(path)
+    lora = read_lora_settings(path)
     model = build_model(cfg, device="meta")
+    if lora is not None:
+        apply_lora(model, lora[0].targets, lora[0].rank, lora[0].alpha, 0.0, cfg.arch)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "tie_weights"):
             module.tie_weights()
-    load_model_weights([model], path)
+    if lora is not None and lora[0].save_adapter_only:
+        if not lora[1]:
+            raise UserInputError(f"{path}: the checkpoint holds LoRA adapters only and its run "
+                                 "names no checkpoint.init_from to read the base weights from")
+        load_model_weights([model], lora[1], keep=lambda name: not is_lora_param(name))
+        load_model_weights([model], path, keep=is_lora_param)
+    else:
+        load_model_weights([model], path)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(device=device)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from giantmodel.config.errors import ConfigError
 from giantmodel.config.data import DataConfig
+from giantmodel.config.errors import ConfigError
+from giantmodel.data.builtin import builtin_from_config
 from giantmodel.data.indexed import IndexedDataset
 from giantmodel.data.loader import TrainLoader, ValLoader, check_batch_layout
 from giantmodel.data.samples import BlendedSamples, PackedTokens, SyntheticSamples, split_documents
+from giantmodel.data.sft import build_sft_sources, sft_tokenizer_path
 from giantmodel.data.tokenizer import Tokenizer, load_tokenizer
 
 # Separate RNG streams so validation never shares a permutation with training.
@@ -20,8 +22,6 @@ def vocab_size_of(cfg: DataConfig) -> int | None:
     if cfg.source == "builtin":
         return cfg.builtin_vocab_size  # SentencePiece trains exactly this many pieces
     if cfg.source == "sft":
-        from giantmodel.data.sft import sft_tokenizer_path
-
         return load_tokenizer(sft_tokenizer_path(cfg)).vocab_size
     return load_tokenizer(cfg.tokenizer).vocab_size
 
@@ -29,15 +29,12 @@ def vocab_size_of(cfg: DataConfig) -> int | None:
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The job's tokenizer; for "builtin" this builds the cached corpus first if needed."""
     if cfg.source == "builtin":
-        from giantmodel.data.builtin import builtin_from_config
 
         return load_tokenizer(builtin_from_config(cfg).tokenizer)
     if cfg.source == "synthetic":
         raise ConfigError("synthetic data has no tokenizer; text generation needs "
                           "data.source=builtin, indexed or sft", key="data.source")
     if cfg.source == "sft":
-        from giantmodel.data.sft import sft_tokenizer_path
-
         return load_tokenizer(sft_tokenizer_path(cfg))
     return load_tokenizer(cfg.tokenizer)
 
@@ -77,7 +74,6 @@ def build_samples(cfg: DataConfig, *, seq_len: int, seed: int, vocab_size: int |
                                   _VALID_STREAM)] if n_val else []
         weights = None
     elif cfg.source == "builtin":
-        from giantmodel.data.builtin import builtin_from_config
 
         corpus = builtin_from_config(cfg)
         t, v = IndexedDataset(corpus.train_prefix), IndexedDataset(corpus.valid_prefix)
@@ -85,8 +81,6 @@ def build_samples(cfg: DataConfig, *, seq_len: int, seed: int, vocab_size: int |
         valid = [PackedTokens(v.tokens, seq_len, name="stdlib-valid")]
         weights = None
     elif cfg.source == "sft":
-        from giantmodel.data.sft import build_sft_sources
-
         t_rows, v_rows = build_sft_sources(cfg, seq_len=seq_len)
         train, valid = [t_rows], [v_rows] if v_rows is not None else []
         weights = None

@@ -31,8 +31,11 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch import nn
 
 from giantmodel.config.errors import UserInputError
+from giantmodel.models.generate import generate
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -319,3 +322,19 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: list[dict],
         return ids, np.ones(len(ids), dtype=bool)
     return ids, spans_to_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2),
                                     rendered.spans)
+
+
+def chat_reply(model: nn.Module, tokenizer, template: ChatTemplate, messages: list[dict],
+               max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+               seed: int = 0) -> str:
+    """The assistant's reply to ``messages`` rendered with ``template``;
+    generation stops at EOS or an end-of-turn token, which is left out."""
+    ids, _ = tokenizer.encode_offsets(template.prompt(messages))
+    stops = stop_ids(tokenizer)
+    gen = torch.Generator().manual_seed(seed)
+    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, gen,
+                   eos_id=stops, vocab_limit=tokenizer.vocab_size)
+    new = out[0, len(ids):].tolist()
+    while new and new[-1] in stops:
+        new.pop()
+    return tokenizer.decode(new)

@@ -12,6 +12,7 @@ import os
 from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.data.indexed import read_index_header
+from giantmodel.data.sft import check_sft
 from giantmodel.data.tokenizer import resolve_tokenizer_path
 
 
@@ -23,8 +24,6 @@ def check_data(cfg: DataConfig) -> None:
     elif cfg.source == "builtin":
         _check_cache_dir(cfg)
     elif cfg.source == "sft":
-        from giantmodel.data.sft import check_sft
-
         check_sft(cfg)
 
 

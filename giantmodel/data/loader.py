@@ -18,7 +18,7 @@ with exactly the next samples.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -29,10 +29,32 @@ from giantmodel.data.samples import BlendedSamples
 STATE_VERSION = 1
 
 
+def rows_to_batch(rows, packed: bool) -> dict[str, torch.Tensor]:
+    """Loader batch from fine-tuning rows ``[B, 3, T + 1]`` (tokens, labels,
+    document ids; :mod:`giantmodel.data.sft`): ``input_ids`` the tokens but
+    the last, ``labels`` the labels but the first; packed rows add
+    ``document_ids`` and ``position_ids`` restarting at every example."""
+    t = torch.as_tensor(rows)
+    batch = {"input_ids": t[:, 0, :-1].contiguous(), "labels": t[:, 1, 1:].contiguous()}
+    if packed:
+        docs = t[:, 2, :-1].contiguous()
+        batch["document_ids"] = docs
+        batch["position_ids"] = document_positions(docs)
+    return batch
+
+
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 wherever the document id changes."""
+    B, T = docs.shape
+    idx = torch.arange(T).expand(B, T)
+    start = torch.ones(B, T, dtype=torch.bool)
+    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    run_start = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - run_start
+
+
 def _to_batch(samples: np.ndarray, packed: bool = False) -> dict[str, torch.Tensor]:
     if samples.ndim == 3:  # fine-tuning rows: tokens, labels, document ids
-        from giantmodel.data.sft import rows_to_batch
-
         return rows_to_batch(samples, packed)
     t = torch.from_numpy(samples)  # [B, T+1] int64
     return {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}

@@ -22,10 +22,8 @@ shift never makes one example predict the next across a packing boundary.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,138 +31,24 @@ import numpy as np
 
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.core.loss import IGNORE_INDEX
-from giantmodel.data.chat import ROLES, ChatTemplate, encode_conversation
+from giantmodel.data.chat import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    encode_conversation,
+    resolve_template,
+    template_error,
+)
+from giantmodel.data.conversations import load_conversations, read_records, to_messages
+from giantmodel.data.samples import split_documents
+from giantmodel.data.sft_builtin import (
+    BUILTIN_PREFIX,
+    ensure_tiny_chat_model,
+    resolve_model_dir,
+    tiny_instructions,
+)
+from giantmodel.data.tokenizer import load_tokenizer
 
 PAD_DOCUMENT = -1
-
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "model": "assistant", "chatgpt": "assistant", "bing": "assistant",
-                   "system": "system", "tool": "tool", "function_call": "assistant",
-                   "observation": "tool"}
-
-
-# --------------------------------------------------------------------------- records
-
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """``(where, record)`` for every record of a jsonl/json file or a HF dataset
-    directory; ``where`` names the file and line (or row) for error messages."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        yield from _read_hf_dataset(p)
-        return
-    if not p.is_file():
-        raise UserInputError(f"SFT data file {p} does not exist (data.paths); give jsonl/json "
-                             "files or Hugging Face dataset directories (save_to_disk)")
-    if p.suffix == ".json":
-        try:
-            rows = json.loads(p.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise UserInputError(f"{p}: not valid JSON ({e})") from None
-        if not isinstance(rows, list):
-            raise UserInputError(f"{p}: a .json SFT file must hold a list of records; "
-                                 "use .jsonl for one record per line")
-        for i, rec in enumerate(rows):
-            yield f"{p} record {i}", rec
-        return
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{p}:{lineno}", json.loads(line)
-            except ValueError as e:
-                raise UserInputError(f"{p}:{lineno}: not valid JSON ({e})") from None
-
-
-def _read_hf_dataset(p: Path) -> Iterator[tuple[str, dict]]:
-    try:
-        import datasets
-    except ImportError:
-        raise UserInputError(f"{p} is a directory; reading Hugging Face datasets needs the "
-                             "`datasets` package: pip install 'giantmodel[hf]'") from None
-    try:
-        ds = datasets.load_from_disk(str(p))
-    except (FileNotFoundError, ValueError) as e:
-        raise UserInputError(f"{p}: not a dataset saved with save_to_disk ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise UserInputError(f"{p} holds splits {sorted(ds)} but no 'train'; save the split "
-                                 "to train on by itself")
-        ds = ds["train"]
-    for i, rec in enumerate(ds):
-        yield f"{p} row {i}", rec
-
-
-def _text(value, where: str, what: str) -> str:
-    if not isinstance(value, str):
-        raise UserInputError(f"{where}: {what} must be a string, got {type(value).__name__}")
-    return value
-
-
-def record_format(rec: dict, where: str) -> str:
-    if not isinstance(rec, dict):
-        raise UserInputError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
-    if "messages" in rec:
-        return "messages"
-    if "conversations" in rec:
-        return "sharegpt"
-    if "instruction" in rec:
-        return "alpaca"
-    raise UserInputError(f"{where}: cannot tell the record's format from its keys "
-                         f"{sorted(rec)[:6]}; expected 'messages' (chat), 'conversations' "
-                         "(ShareGPT) or 'instruction'/'output' (alpaca)")
-
-
-def to_messages(rec: dict, fmt: str, where: str) -> list[dict]:
-    """The record as ``[{"role", "content"}, ...]``; raises on malformed input."""
-    fmt = record_format(rec, where) if fmt == "auto" else fmt
-    if fmt == "alpaca":
-        for key in ("instruction", "output"):
-            if key not in rec:
-                raise UserInputError(f"{where}: alpaca record has no {key!r}; alpaca records need "
-                                     "instruction and output (input optional)")
-        prompt = _text(rec["instruction"], where, "instruction")
-        extra = rec.get("input") or ""
-        if _text(extra, where, "input"):
-            prompt = f"{prompt}\n\n{extra}"
-        msgs = [{"role": "user", "content": prompt},
-                {"role": "assistant", "content": _text(rec["output"], where, "output")}]
-        if rec.get("system"):
-            msgs.insert(0, {"role": "system", "content": _text(rec["system"], where, "system")})
-        return msgs
-    key, role_key, content_key = (("messages", "role", "content") if fmt == "messages"
-                                  else ("conversations", "from", "value"))
-    if key not in rec:
-        raise UserInputError(f"{where}: record has no {key!r} (data.format is {fmt}; "
-                             "auto tells the format of each record by its keys)")
-    turns = rec[key]
-    if not isinstance(turns, list) or not turns:
-        raise UserInputError(f"{where}: {key!r} must be a non-empty list of turns")
-    out = []
-    for j, m in enumerate(turns):
-        if not isinstance(m, dict) or role_key not in m:
-            raise UserInputError(f"{where}: message {j} has no {role_key!r}; every turn needs "
-                                 f"{role_key!r} and {content_key!r}")
-        if content_key not in m:
-            raise UserInputError(f"{where}: message {j} has no {content_key!r}")
-        role = m[role_key]
-        if fmt == "sharegpt":
-            role = _SHAREGPT_ROLES.get(str(role).lower())
-            if role is None:
-                raise UserInputError(f"{where}: message {j} has unknown 'from' {m[role_key]!r}; "
-                                     f"use one of {', '.join(sorted(_SHAREGPT_ROLES))}")
-        elif role not in ROLES:
-            raise UserInputError(f"{where}: message {j} has unknown role {role!r}; use one of "
-                                 f"{', '.join(ROLES)}")
-        out.append({"role": role, "content": _text(m[content_key], where,
-                                                   f"message {j} {content_key}")})
-    return out
-
-
-def load_conversations(paths: list[str], fmt: str) -> list[list[dict]]:
-    """Every record of ``paths`` as a message list, in file order."""
-    return [to_messages(rec, fmt, where) for p in paths for where, rec in read_records(p)]
-
 
 # --------------------------------------------------------------------------- examples -> rows
 
@@ -278,31 +162,6 @@ class SFTRows:
         return self.rows[i]
 
 
-def rows_to_batch(rows, packed: bool) -> dict:
-    """Loader batch from int64 rows ``[B, 3, T + 1]`` (see the module docstring)."""
-    import torch
-
-    t = torch.as_tensor(rows)
-    batch = {"input_ids": t[:, 0, :-1].contiguous(), "labels": t[:, 1, 1:].contiguous()}
-    if packed:
-        docs = t[:, 2, :-1].contiguous()
-        batch["document_ids"] = docs
-        batch["position_ids"] = document_positions(docs)
-    return batch
-
-
-def document_positions(docs):
-    """Position ids that restart at 0 wherever the document id changes."""
-    import torch
-
-    B, T = docs.shape
-    idx = torch.arange(T).expand(B, T)
-    start = torch.ones(B, T, dtype=torch.bool)
-    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    run_start = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return idx - run_start
-
-
 # --------------------------------------------------------------------------- config entry
 
 def sft_tokenizer_path(cfg, init_from: str | None = None) -> str:
@@ -311,21 +170,15 @@ def sft_tokenizer_path(cfg, init_from: str | None = None) -> str:
     if cfg.tokenizer:
         return cfg.tokenizer
     if init_from:
-        from giantmodel.data.sft_builtin import resolve_model_dir
-
         d = resolve_model_dir(init_from, cfg)
         if (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file():
             return str(d)
         raise ConfigError(f"checkpoint.init_from {init_from} has no tokenizer.json or "
                           "tokenizer.model; set data.tokenizer", key="data.tokenizer")
-    from giantmodel.data.sft_builtin import ensure_tiny_chat_model
-
     return str(ensure_tiny_chat_model(cfg.resolved_cache_dir()))
 
 
 def sft_template(cfg, tokenizer, tokenizer_path: str) -> ChatTemplate:
-    from giantmodel.data.chat import resolve_template
-
     try:
         return resolve_template(cfg.chat_template, tokenizer, tokenizer_path)
     except UserInputError as e:
@@ -337,16 +190,12 @@ def sft_conversations(cfg) -> tuple[list[list[dict]], list[list[dict]]]:
     ``valid_fraction`` held out unless ``data.valid_paths`` is set), or the
     bundled tiny instruction set when ``data.paths`` is empty."""
     if not cfg.paths:
-        from giantmodel.data.sft_builtin import tiny_instructions
-
         train, valid = tiny_instructions()
         return ([to_messages(r, "auto", f"bundled record {i}") for i, r in enumerate(train)],
                 [to_messages(r, "auto", f"bundled valid {i}") for i, r in enumerate(valid)])
     train = load_conversations(cfg.paths, cfg.format)
     if cfg.valid_paths:
         return train, load_conversations(cfg.valid_paths, cfg.format)
-    from giantmodel.data.samples import split_documents
-
     n = split_documents(len(train), cfg.valid_fraction)
     return train[:n], train[n:]
 
@@ -354,8 +203,6 @@ def sft_conversations(cfg) -> tuple[list[list[dict]], list[list[dict]]]:
 def build_sft_sources(cfg, *, seq_len: int, init_from: str | None = None,
                       report: bool = True) -> tuple[SFTRows, SFTRows | None]:
     """Training and validation rows for a DataConfig with source "sft"."""
-    from giantmodel.data.tokenizer import load_tokenizer
-
     tok_path = sft_tokenizer_path(cfg, init_from)
     tok = load_tokenizer(tok_path)
     template = sft_template(cfg, tok, tok_path)
@@ -387,8 +234,6 @@ def prepare_sft(job) -> None:
     the built model's directory and, for source "sft", an unset
     ``data.tokenizer`` becomes the one beside the initial weights, so the
     resolved config (and ``generate`` later) names concrete paths."""
-    from giantmodel.data.sft_builtin import BUILTIN_PREFIX, resolve_model_dir
-
     init = job.checkpoint.init_from
     if init and init.startswith(BUILTIN_PREFIX):
         job.checkpoint.init_from = str(resolve_model_dir(init, job.data))
@@ -400,8 +245,6 @@ def prepare_sft(job) -> None:
 def check_sft(cfg) -> None:
     """Pre-flight: every record of every file parses into valid messages, and
     the named template exists (no tokenizer needed)."""
-    from giantmodel.data.chat import BUILTIN_TEMPLATES, template_error
-
     for key, paths in (("data.paths", cfg.paths), ("data.valid_paths", cfg.valid_paths)):
         for p in paths:
             try:

@@ -19,7 +19,14 @@ import random
 import shutil
 from pathlib import Path
 
+import torch
+
 from giantmodel.config.errors import ConfigError
+from giantmodel.data.builtin import file_lock
+from giantmodel.data.chat import BUILTIN_TEMPLATES, ChatTemplate
+from giantmodel.data.conversations import to_messages
+from giantmodel.models.hf import hf_config_to_model_config, save_hf
+from giantmodel.models.registry import build_model, init_weights
 
 BUILTIN_PREFIX = "builtin:"
 TINY_CHAT = "tiny-chat"
@@ -197,8 +204,6 @@ def _train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
-    from giantmodel.data.chat import BUILTIN_TEMPLATES
-
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
@@ -207,13 +212,6 @@ def _train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
 
 
 def _build_tiny_chat(out: Path) -> None:
-    import torch
-
-    from giantmodel.data.chat import BUILTIN_TEMPLATES, ChatTemplate
-    from giantmodel.data.sft import to_messages
-    from giantmodel.models.hf import hf_config_to_model_config, save_hf
-    from giantmodel.models.registry import build_model, init_weights
-
     train, _ = tiny_instructions()
     chatml = ChatTemplate(BUILTIN_TEMPLATES["chatml"], "chatml", "", "<|im_end|>")
     texts = [chatml.render(to_messages(rec, "auto", "bundled")).text for rec in train]
@@ -234,8 +232,6 @@ def _build_tiny_chat(out: Path) -> None:
 def ensure_tiny_chat_model(cache_dir: str | os.PathLike) -> Path:
     """The tiny chat model's HF directory, built on first use (safe when
     several ranks ask at once: one builds under a lock, the others wait)."""
-    from giantmodel.data.builtin import file_lock
-
     cache = Path(cache_dir).expanduser()
     final = cache / f"{TINY_CHAT}-v{_RECIPE_VERSION}"
     if (final / "config.json").is_file():

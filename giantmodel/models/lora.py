@@ -17,12 +17,18 @@ tensor parallelism shards these modules from outside (the LoRA objective).
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
+
+from giantmodel.config.errors import UserInputError
+from giantmodel.models.hf import _LLAMA_LAYER
 
 # HF LLaMA module names -> giantmodel names inside a block.
 HF_TARGETS = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv",
@@ -132,8 +138,6 @@ def quantize_base_nf4(model: nn.Module) -> int:
     NormalFloat tensor (torchao; blocks of 64 values, double-quantised
     scales). A weight whose size is not a multiple of 64 x 256 values (the
     scale blocks) stays in floating point. Returns the number quantised."""
-    from giantmodel.config.errors import UserInputError
-
     try:
         # Function-local import: torchao is an optional dependency of QLoRA only.
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -200,8 +204,6 @@ def merge_lora_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str
 def to_peft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Adapter tensors under the names PEFT saves for a LlamaForCausalLM
     (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``)."""
-    from giantmodel.models.hf import _LLAMA_LAYER
-
     inv = {v: k for k, v in _LLAMA_LAYER.items()}
     out = {}
     for name, t in state.items():
@@ -215,8 +217,6 @@ def to_peft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def from_peft_state(peft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_peft_state` (PEFT's ``.default`` adapter name allowed)."""
-    from giantmodel.models.hf import _LLAMA_LAYER
-
     out = {}
     for name, t in peft.items():
         core = name.removeprefix("base_model.model.model.").replace(".default", "")
@@ -247,13 +247,6 @@ def save_peft_adapter(state: dict[str, torch.Tensor], out_dir, *, targets: list[
                       dtype: torch.dtype | None = None) -> list:
     """Write a PEFT adapter directory (``adapter_config.json`` +
     ``adapter_model.safetensors``) from a state holding LLaMA adapters."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from giantmodel.config.errors import UserInputError
-
     out = Path(out_dir)
     if (out / "adapter_model.safetensors").exists():
         raise UserInputError(f"{out} already holds an adapter; export into an empty directory")

@@ -19,15 +19,16 @@ context parallelism); this class changes only what is built and what trains:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from giantmodel.objectives.lm import LanguageModel
-from giantmodel.parallel.objective import StageSpec
 from torch import nn
 
+from giantmodel.checkpoint import load_model_weights
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.lora import LoRAConfig
+from giantmodel.config.schema import JobConfig
 from giantmodel.models.lora import (
     apply_lora,
     block_targets,
@@ -37,6 +38,10 @@ from giantmodel.models.lora import (
     quantize_base_nf4,
 )
 from giantmodel.models.registry import canonical_name, copy_full_into
+from giantmodel.objectives.lm import LanguageModel
+from giantmodel.objectives.lora_tp import lora_style
+from giantmodel.parallel.objective import StageSpec
+from giantmodel.parallel.tensor import apply_tensor_parallel
 
 
 def _is_base(name: str) -> bool:
@@ -53,12 +58,10 @@ class LoRA(LanguageModel):
         self._quantize_on_load = lora.quantize_base == "nf4"
 
     @classmethod
-    def from_config(cls, cfg) -> LoRA:
+    def from_config(cls, cfg: JobConfig) -> LoRA:
         cfg.lora.validate(cfg.model.arch)
-        if cfg.lora.quantize_base == "nf4" and cfg.parallel.tp > 1:
-            raise ConfigError("QLoRA's NF4 base weights cannot be tensor-parallel sharded; "
-                              "use parallel.tp=1 (data parallelism and ZeRO work)",
-                              "lora.quantize_base")
+        if cfg.lora.quantize_base == "nf4":
+            _check_nf4_layout(cfg)
         base = LanguageModel.from_config(cfg)
         obj = cls(base.model_cfg, data=base.data_cfg, train=base.train_cfg, lora=cfg.lora,
                   init_from=cfg.checkpoint.init_from)
@@ -79,9 +82,7 @@ class LoRA(LanguageModel):
         return model
 
     def apply_tensor_parallel(self, module: nn.Module, tp_mesh, *, sp: bool) -> None:
-        from giantmodel.objectives.lora_tp import lora_style
-        from giantmodel.parallel.tensor import apply_tensor_parallel
-
+        # The LM's plan, with each adapted linear sharded with its base.
         apply_tensor_parallel(module, tp_mesh, sp, style_for=lora_style)
         self._vocab_parallel = True
 
@@ -94,20 +95,41 @@ class LoRA(LanguageModel):
         if self._quantize_on_load and not self.init_from:
             quantize_base_nf4(module)
 
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        # Embeddings are frozen: pipeline copies of a tied weight stay equal
+        # without summing gradients they never get.
+        return []
+
     # ------------------------------------------------------- around training
     def load_pretrained(self, parts: list[nn.Module], path: str | Path) -> Path:
         """The frozen base from ``path``; the adapters keep their initial values."""
-        from giantmodel.checkpoint import load_model_weights
-
         out = load_model_weights(parts, path, keep=_is_base)
         if self._quantize_on_load:
             for part in parts:
                 quantize_base_nf4(part)
         return out
 
-    def checkpoint_filter(self):
+    def checkpoint_filter(self) -> Callable[[str], bool] | None:
         """Adapter-only checkpoints by default (the base is ``init_from``)."""
         return is_lora_param if self.lora.save_adapter_only else None
 
     def adapted_modules(self) -> list[str]:
         return block_targets(self.lora.targets, self.model_cfg.arch)
+
+
+def _check_nf4_layout(cfg: JobConfig) -> None:
+    """NF4 base weights replace the frozen parameters after loading, which
+    sharded parameters (tensor parallelism, FSDP2) cannot take."""
+    p = cfg.parallel
+    if not cfg.lora.save_adapter_only:
+        raise ConfigError("QLoRA checkpoints hold the adapters only (the NF4 base is re-made "
+                          "from checkpoint.init_from); set lora.save_adapter_only=true",
+                          "lora.save_adapter_only")
+    if p.tp > 1:
+        raise ConfigError("QLoRA's NF4 base weights cannot be tensor-parallel sharded; use "
+                          "parallel.tp=1 (data parallelism with zero 0-2 works)",
+                          "lora.quantize_base")
+    if p.zero == 3 or (p.zero == 2 and p.pp > 1):
+        raise ConfigError("QLoRA's NF4 base weights cannot be FSDP-sharded (zero 3, or zero 2 "
+                          "with pipelines); use parallel.zero<=1, or zero 2 without pp",
+                          "lora.quantize_base")

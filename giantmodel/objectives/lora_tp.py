@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from giantmodel.models.lora import LoRALinear
+
 
 def _distribute(module: nn.Module, name: str, mesh, placements) -> None:
     p = getattr(module, name)
@@ -108,8 +110,6 @@ class LoRARowwise(_LoRAStyle):
 def lora_style(module: nn.Module, style: ParallelStyle) -> ParallelStyle:
     """The style for ``module`` under a plan entry ``style``: the LoRA
     counterpart when ``module`` is a LoRA linear, else ``style`` itself."""
-    from giantmodel.models.lora import LoRALinear
-
     if not isinstance(module, LoRALinear):
         return style
     if isinstance(style, ColwiseParallel):

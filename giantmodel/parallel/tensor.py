@@ -16,18 +16,28 @@ reduce-scatter instead of all-reduce, and each block all-gathers its input.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from giantmodel.core.loss import IGNORE_INDEX, cross_entropy_sum
 
 
 def _block_plan(sp: bool, rope: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     # Under sp the residual stream stays a DTensor (global shape), so the
     # model still sees the full sequence length when it indexes RoPE.
     residual = Shard(1) if sp else Replicate()
@@ -56,17 +66,16 @@ def _block_plan(sp: bool, rope: bool) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
-    """Shard ``model`` (a whole model or a pipeline stage) in place over ``tp_mesh``."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+StyleFor = Callable[[nn.Module, ParallelStyle], ParallelStyle]
+"""``style_for(module, style)``: the style to apply to a block's ``module``
+where the plan says ``style`` (a model that swapped a linear for another
+module, such as a LoRA linear, gives that module its own style)."""
 
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
+                          style_for: StyleFor | None = None) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage) in place over
+    ``tp_mesh``; ``style_for`` may replace the style of any block module."""
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -88,8 +97,38 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
         plan = _block_plan(sp, rope=getattr(model, "uses_rope", True))
         if hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
+        if style_for is not None:
+            plan = {path: style_for(block.get_submodule(path), style)
+                    for path, style in plan.items()}
         parallelize_module(block, tp_mesh, plan)
     if hasattr(model, "tie_weights"):
         # parallelize_module swapped the embedding Parameter for a DTensor; the
         # head shares it (both are sharded over vocabulary rows).
         model.tie_weights()
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token cross-entropy and the token count.
+
+    ``logits`` may be a vocab-sharded DTensor (``Shard(-1)``, the output of
+    the tensor-parallel head): the loss is then computed on the shards under
+    ``loss_parallel()`` (a max, a sum of exponentials and the target logit are
+    all-reduced; the [B, T, V] logits never are). Call it, and run backward,
+    inside :func:`loss_parallel_context`. The returned sum is a plain tensor
+    either way.
+    """
+    if not isinstance(logits, DTensor):
+        return cross_entropy_sum(logits, labels)
+    count = (labels != IGNORE_INDEX).sum()
+    labels_dt = DTensor.from_local(labels.reshape(-1), logits.device_mesh,
+                                   [Replicate()] * logits.device_mesh.ndim)
+    loss = F.cross_entropy(logits.float().flatten(0, -2), labels_dt,
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.to_local(), count
+
+
+def loss_parallel_context(enabled: bool):
+    """``loss_parallel()`` when the head is vocab-parallel, else a no-op.
+    Wrap both the loss and its backward in it."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

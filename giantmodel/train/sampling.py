@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from giantmodel.checkpoint import CheckpointManager, load_model_from_checkpoint
+from giantmodel.config import load_config
 from giantmodel.config.errors import UserInputError
+from giantmodel.data import build_tokenizer
+from giantmodel.data.chat import chat_reply, resolve_template, tokenizer_chat_template
+from giantmodel.data.sft import sft_tokenizer_path
+from giantmodel.data.tokenizer import load_tokenizer
+from giantmodel.models.generate import generate_text
+from giantmodel.models.hf import from_hf
 
 
 def _run_dir_of(checkpoint: Path) -> Path:
@@ -14,16 +22,10 @@ def _run_dir_of(checkpoint: Path) -> Path:
 
 def load_for_generation(args):
     """(model, tokenizer, run config or None) for the source the user named."""
-    from giantmodel.models import build_model, init_weights
-
     if args.hf:
-        from giantmodel.models.hf import from_hf
         model = from_hf(args.hf)
         tok_path = args.tokenizer or _find_hf_tokenizer(Path(args.hf))
-        from giantmodel.data.tokenizer import load_tokenizer
         return model, load_tokenizer(tok_path), None
-
-    from giantmodel.checkpoint import CheckpointManager, load_model_weights
 
     if args.run_dir:
         run_dir = Path(args.run_dir)
@@ -38,20 +40,16 @@ def load_for_generation(args):
         if not ckpt.is_dir():
             raise UserInputError(f"checkpoint directory {ckpt} does not exist")
         cfg = _run_config(_run_dir_of(ckpt))
-    model = build_model(cfg.model, device="meta")
-    init_weights(model, cfg.model, seed=0)
-    load_model_weights([model], str(ckpt))
+    # A LoRA run's model keeps its adapters (the base from its init_from).
+    model = load_model_from_checkpoint(ckpt)
     if args.tokenizer:
-        from giantmodel.data.tokenizer import load_tokenizer
         tok = load_tokenizer(args.tokenizer)
     else:
-        from giantmodel.data import build_tokenizer
         tok = build_tokenizer(cfg.data)
     return model, tok, cfg
 
 
 def _run_config(run_dir: Path):
-    from giantmodel.config import load_config
 
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -66,40 +64,15 @@ def _find_hf_tokenizer(path: Path) -> str:
     raise UserInputError(f"no tokenizer.json or tokenizer.model in {path}; pass --tokenizer")
 
 
-def generate_chat(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
-                  temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
-    """The assistant's reply to ``messages`` rendered with the chat ``template``
-    (:class:`giantmodel.data.chat.ChatTemplate`); generation stops at EOS or
-    the template's end-of-turn token, which is left out of the reply."""
-    import torch
-
-    from giantmodel.data.chat import stop_ids
-    from giantmodel.models.generate import generate
-
-    ids, _ = tokenizer.encode_offsets(template.prompt(messages))
-    stops = stop_ids(tokenizer)
-    gen = torch.Generator().manual_seed(seed)
-    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, gen,
-                   eos_id=stops, vocab_limit=tokenizer.vocab_size)
-    new = out[0, len(ids):].tolist()
-    while new and new[-1] in stops:
-        new.pop()
-    return tokenizer.decode(new)
-
-
 def chat_template_for(args, cfg, tokenizer):
     """The chat template ``generate`` applies, or None for plain continuation:
     ``--chat``/``--no-chat`` decide; by default a run fine-tuned on
     ``data.source: sft`` uses its own template, and a HF directory uses its
     tokenizer's ``chat_template`` when it has one."""
-    from giantmodel.data.chat import resolve_template, tokenizer_chat_template
-
     want = getattr(args, "chat", None)
     if want is False:
         return None
     if cfg is not None and cfg.data.source == "sft":
-        from giantmodel.data.sft import sft_tokenizer_path
-
         path = args.tokenizer or sft_tokenizer_path(cfg.data, cfg.checkpoint.init_from)
         return resolve_template(cfg.data.chat_template, tokenizer, path)
     path = args.tokenizer or (args.hf if getattr(args, "hf", None) else None)
@@ -109,14 +82,13 @@ def chat_template_for(args, cfg, tokenizer):
 
 
 def generate_from_args(args) -> str:
-    from giantmodel.models.generate import generate_text
 
     model, tok, cfg = load_for_generation(args)
     template = chat_template_for(args, cfg, tok)
     if template is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
-        return generate_chat(model, tok, template, messages, args.max_new_tokens,
-                             args.temperature, args.top_k, args.seed)
+        return chat_reply(model, tok, template, messages, args.max_new_tokens,
+                          args.temperature, args.top_k, args.seed)
     return generate_text(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, seed=args.seed)
