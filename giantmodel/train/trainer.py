@@ -156,8 +156,11 @@ class Trainer:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.ckpt = CheckpointManager(cfg.checkpoint, str(self.run_dir),
                                       is_rank0=self.info.is_rank0)
+        # An objective may checkpoint only part of the model (LoRA: its
+        # adapters); the rest is completed from checkpoint.init_from below.
+        keep = self.objective.checkpoint_filter()
         self.ckpt_state = {
-            "model": ModelState(self.engine.parts),
+            "model": ModelState(self.engine.parts, keep),
             "optim": OptimizerState(self.engine.parts, self.optimizer),
             "lr": SchedulerState(self.scheduler),
             "data": self.train_loader,
@@ -165,12 +168,12 @@ class Trainer:
             "trainer": self.state,
         }
         latest = self.ckpt.latest_step() if cfg.checkpoint.resume else None
+        if cfg.checkpoint.init_from and (latest is None or keep is not None):
+            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
+            self._print(f"initialised weights from {cfg.checkpoint.init_from}")
         if latest is not None:
             self.ckpt.load(self.ckpt_state, latest)
             self._print(f"resumed from {self.run_dir / 'checkpoints'} at step {self.state.step}")
-        elif cfg.checkpoint.init_from:
-            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
-            self._print(f"initialised weights from {cfg.checkpoint.init_from}")
 
     def _save(self) -> None:
         self.ckpt.save(self.state.step, self.ckpt_state)
