@@ -194,3 +194,121 @@ class NoiseConfig:
         if not 0 < self.beta_start < self.beta_end < 1:
             raise ConfigError(f"need 0 < beta_start < beta_end < 1, got {self.beta_start}, "
                               f"{self.beta_end}", f"{prefix}.beta_start")
+
+
+@dataclass
+class DreamBoothConfig:
+    """DreamBooth: fine-tune on a few instance images bound to a rare identifier,
+    optionally preserving the class prior with images the model generates itself."""
+
+    instance_dir: str | None = None
+    """Folder of instance images (all captioned with instance_prompt); null generates a
+    small instance set from the shapes source (a ring, for the tiny recipe)."""
+    instance_prompt: str = "a sks ring on a blue background"
+    """Caption of every instance image: the identifier plus the class noun."""
+    with_prior_preservation: bool = False
+    """Add class images to every batch and the prior-preservation loss."""
+    class_prompt: str = "a circle on a blue background"
+    """Caption of the class images (the class noun without the identifier)."""
+    class_dir: str | None = None
+    """Folder of class images; missing images (up to num_class_images) are generated
+    into it by the model before training. Null: run.dir/class_images."""
+    num_class_images: int = 16
+    """Class images wanted for prior preservation."""
+    prior_loss_weight: float = 1.0
+    """Loss = instance + prior_loss_weight * prior."""
+    num_instance_images: int = 8
+    """Instance images generated when instance_dir is null."""
+
+    def validate(self) -> None:
+        if not self.instance_prompt.strip():
+            raise ConfigError("must not be empty", "sd.dreambooth.instance_prompt")
+        if self.with_prior_preservation:
+            if not self.class_prompt.strip():
+                raise ConfigError("prior preservation needs a class prompt",
+                                  "sd.dreambooth.class_prompt")
+            if self.num_class_images < 1:
+                raise ConfigError("must be at least 1", "sd.dreambooth.num_class_images")
+        if self.prior_loss_weight < 0:
+            raise ConfigError("must be >= 0", "sd.dreambooth.prior_loss_weight")
+        if self.num_instance_images < 1:
+            raise ConfigError("must be at least 1", "sd.dreambooth.num_instance_images")
+
+
+@dataclass
+class SDConfig:
+    """Stable Diffusion: the three models, the noise process and the training recipe
+    (the ``sd:`` section, used by ``objective: diffusion``)."""
+
+    name: str = "sd-tiny"
+    """Free-form model name, used in run metadata."""
+    unet: UNetConfig = field(default_factory=UNetConfig)
+    """The denoiser's shape."""
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    """The autoencoder's shape."""
+    text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    """The CLIP text encoder's shape."""
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    """Noise schedule and prediction type."""
+    pretrained: str | None = None
+    """A diffusers pipeline directory: shapes, weights, scheduler and tokenizer start
+    from it (the sd.unet / vae / text_encoder / noise sections are then ignored)."""
+    tokenizer: str | None = None
+    """A CLIP tokenizer directory (vocab.json + merges.txt). Null: the pretrained
+    pipeline's, else one built from the training captions' words."""
+    train_text_encoder: bool = False
+    """Train the text encoder too (otherwise it is frozen, like the VAE always is)."""
+    snr_gamma: float = 0.0
+    """Min-SNR-gamma loss weighting (Hang et al. 2023; 5.0 is typical); 0 turns it off."""
+    noise_offset: float = 0.0
+    """Offset noise: add this times per-channel N(0, 1) to the noise (0.05-0.1 brightens darks)."""
+    input_perturbation: float = 0.0
+    """Input perturbation (Ning et al. 2023): noise the latents with noise + this times fresh noise."""
+    caption_dropout: float = 0.0
+    """Probability of training a sample on the empty caption, for classifier-free guidance."""
+    ema: bool = False
+    """Keep an exponential moving average of the UNet (sharded like it, checkpointed);
+    samples and exports use it."""
+    ema_decay: float = 0.9999
+    """Largest EMA decay; early steps use (1 + n) / (10 + n) as diffusers' EMAModel does."""
+    vae_pretrain_steps: int = 0
+    """Train the VAE as an autoencoder on the training images for this many steps before
+    diffusion (once, cached under data.cache_dir): the tiny default's stand-in for a
+    pretrained VAE. 0: keep the initial or pretrained VAE."""
+    sample_prompts: list[str] = field(default_factory=list)
+    """Prompts sampled after training into run.dir/samples/ (empty: some training captions)."""
+    num_samples: int = 8
+    """Images written after training when sample_prompts is empty (0: none)."""
+    sampler: Literal["ddim", "euler"] = "ddim"
+    """Sampler for samples and generated class images."""
+    sample_steps: int = 30
+    """Sampling steps."""
+    guidance_scale: float = 7.5
+    """Classifier-free guidance scale (1: no guidance)."""
+    dreambooth: DreamBoothConfig | None = None
+    """DreamBooth fine-tuning; null: text-to-image training on the data section."""
+
+    def validate(self) -> None:
+        if self.pretrained is None:
+            self.unet.validate()
+            self.vae.validate()
+            self.text_encoder.validate()
+            self.noise.validate()
+            if self.unet.in_channels != self.vae.latent_channels:
+                raise ConfigError(f"{self.unet.in_channels} != sd.vae.latent_channels "
+                                  f"{self.vae.latent_channels}", "sd.unet.in_channels")
+            if self.unet.cross_attention_dim != self.text_encoder.hidden_size:
+                raise ConfigError(f"{self.unet.cross_attention_dim} != sd.text_encoder.hidden_size "
+                                  f"{self.text_encoder.hidden_size}", "sd.unet.cross_attention_dim")
+        for key in ("snr_gamma", "noise_offset", "input_perturbation"):
+            if getattr(self, key) < 0:
+                raise ConfigError("must be >= 0", f"sd.{key}")
+        if not 0 <= self.caption_dropout < 1:
+            raise ConfigError(f"must be in [0, 1), got {self.caption_dropout}", "sd.caption_dropout")
+        if not 0 < self.ema_decay < 1:
+            raise ConfigError(f"must be in (0, 1), got {self.ema_decay}", "sd.ema_decay")
+        if self.vae_pretrain_steps < 0 or self.num_samples < 0 or self.sample_steps < 1:
+            raise ConfigError("vae_pretrain_steps and num_samples must be >= 0, sample_steps >= 1",
+                              "sd")
+        if self.dreambooth is not None:
+            self.dreambooth.validate()

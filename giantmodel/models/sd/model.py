@@ -17,8 +17,9 @@ from torch import nn
 from giantmodel.config.sd import NoiseConfig, TextEncoderConfig, UNetConfig, VAEConfig
 from giantmodel.models.registry import canonical_name, copy_full_into
 from giantmodel.models.sd.clip import CLIPTextModel
+from giantmodel.models.sd.schedule import NoiseSchedule
 from giantmodel.models.sd.unet import UNet2DCondition
-from giantmodel.models.sd.vae import AutoencoderKL
+from giantmodel.models.sd.vae import AutoencoderKL, DiagonalGaussian
 
 
 class StableDiffusion(nn.Module):
@@ -35,11 +36,44 @@ class StableDiffusion(nn.Module):
         self.vae = AutoencoderKL(vae)
         self.text_encoder = CLIPTextModel(text_encoder)
         self.noise = noise or NoiseConfig()
+        self.schedule = NoiseSchedule(self.noise)
         self.tokenizer = None
 
     @property
     def scaling_factor(self) -> float:
         return self.vae.cfg.scaling_factor
+
+    def forward(self, timesteps: torch.Tensor, noise: torch.Tensor, *,
+                pixel_values: torch.Tensor | None = None,
+                latent_moments: torch.Tensor | None = None,
+                posterior_noise: torch.Tensor | None = None,
+                input_ids: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None,
+                input_noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training forward, given all its randomness: (prediction, target).
+
+        The clean latent is sampled from the posterior of ``pixel_values``
+        [B, 3, H, W] (or of cached ``latent_moments``) with
+        ``posterior_noise``, scaled by the VAE's scaling factor, and noised
+        to ``timesteps`` [B] with ``input_noise`` (default ``noise``); the
+        target is ``noise`` or the velocity. The text conditions are
+        ``encoder_hidden_states`` or the text encoder's output on
+        ``input_ids``. One call runs every part, so a sharded model gathers
+        each part's weights once per micro-batch.
+        """
+        with torch.no_grad():  # the VAE is always frozen
+            if latent_moments is None:
+                latent_moments = self.vae.moments(pixel_values)
+            posterior = DiagonalGaussian(latent_moments.to(noise.dtype))
+            latents = posterior.sample(posterior_noise) * self.scaling_factor
+        if encoder_hidden_states is None:
+            trainable = any(p.requires_grad for p in self.text_encoder.parameters())
+            with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
+                encoder_hidden_states = self.text_encoder(input_ids)
+        noisy = self.schedule.add_noise(latents, noise if input_noise is None else input_noise,
+                                        timesteps)
+        target = self.schedule.target(latents, noise, timesteps)
+        return self.unet(noisy, timesteps, encoder_hidden_states), target
 
 
 def build_sd(unet: UNetConfig, vae: VAEConfig, text_encoder: TextEncoderConfig,

@@ -17,17 +17,18 @@ from giantmodel.config.sd import NoiseConfig
 
 
 def make_betas(cfg: NoiseConfig) -> torch.Tensor:
-    """[T] float32 betas of ``cfg.beta_schedule``."""
+    """[T] float32 betas of ``cfg.beta_schedule`` (on the CPU even under a meta-device context)."""
     T = cfg.num_train_timesteps
     if cfg.beta_schedule == "linear":
-        return torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float32)
+        return torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float32, device="cpu")
     if cfg.beta_schedule == "scaled_linear":
-        return torch.linspace(cfg.beta_start ** 0.5, cfg.beta_end ** 0.5, T, dtype=torch.float32) ** 2
+        return torch.linspace(cfg.beta_start ** 0.5, cfg.beta_end ** 0.5, T, dtype=torch.float32,
+                              device="cpu") ** 2
     if cfg.beta_schedule == "squaredcos_cap_v2":
         def alpha_bar(t: float) -> float:
             return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
         betas = [min(1 - alpha_bar((i + 1) / T) / alpha_bar(i / T), 0.999) for i in range(T)]
-        return torch.tensor(betas, dtype=torch.float32)
+        return torch.tensor(betas, dtype=torch.float32, device="cpu")
     raise ValueError(f"unknown beta_schedule {cfg.beta_schedule!r}")
 
 
