@@ -38,10 +38,10 @@ class UNetConfig:
     block_out_channels: list[int] = field(default_factory=lambda: [32, 64])
     """Width of each resolution level; one entry per down block."""
     down_block_types: list[Literal[DOWN_BLOCKS]] = field(
-        default_factory=lambda: ["CrossAttnDownBlock2D", "DownBlock2D"])
+        default_factory=lambda: ["DownBlock2D", "CrossAttnDownBlock2D"])
     """Per level: CrossAttnDownBlock2D (resnets + transformers) or DownBlock2D (resnets only)."""
     up_block_types: list[Literal[UP_BLOCKS]] = field(
-        default_factory=lambda: ["UpBlock2D", "CrossAttnUpBlock2D"])
+        default_factory=lambda: ["CrossAttnUpBlock2D", "UpBlock2D"])
     """Per level, deepest first: CrossAttnUpBlock2D or UpBlock2D."""
     layers_per_block: int = 1
     """Resnets per down block (up blocks have one more, for the skip connections)."""
@@ -112,7 +112,7 @@ class VAEConfig:
     """Decoded image channels."""
     latent_channels: int = 4
     """Channels of the latent the UNet denoises."""
-    block_out_channels: list[int] = field(default_factory=lambda: [32, 64])
+    block_out_channels: list[int] = field(default_factory=lambda: [16, 32])
     """Width of each encoder level (decoder reversed); the image shrinks 2x per extra level."""
     layers_per_block: int = 1
     """Resnets per encoder block (decoder blocks have one more)."""

@@ -112,3 +112,39 @@ def check_caption(image, caption: str) -> dict[str, bool]:
     mask = dist > 80
     shape_ok = bool(mask.mean() >= 0.03) and _nearest(arr[mask].mean(axis=0)) == colour
     return {"background": _nearest(bg_rgb) == bg, "shape": shape_ok}
+
+
+def draw_ring(i: int, seed: int, resolution: int, colour: str = "red", bg: str = "blue"):
+    """A ring (an annulus) of ``colour`` on ``bg``, at a random size and place:
+    the tiny DreamBooth recipe's "instance", an object the shapes set never shows."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng([seed, 0x219, i])
+    R = resolution * 4
+    img = Image.new("RGB", (R, R), COLOURS[bg])
+    draw = ImageDraw.Draw(img)
+    r = R * rng.uniform(0.24, 0.32)
+    cx, cy = (R * rng.uniform(0.5 - 0.45 + r / R, 0.5 + 0.45 - r / R) for _ in range(2))
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=COLOURS[colour])
+    h = r * 0.5
+    draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=COLOURS[bg])
+    return img.resize((resolution, resolution), Image.LANCZOS)
+
+
+class RingSource:
+    """``num`` generated rings, all captioned ``prompt`` (DreamBooth instance images)."""
+
+    def __init__(self, num: int, seed: int, resolution: int, prompt: str):
+        self.num, self.seed, self.resolution, self.prompt = num, seed, resolution, prompt
+        self.name = f"rings-{num}-seed{seed}"
+
+    def __len__(self) -> int:
+        return self.num
+
+    def load(self, i: int):
+        if not 0 <= i < self.num:
+            raise IndexError(i)
+        return draw_ring(i, self.seed, self.resolution), self.prompt
+
+    def caption(self, i: int) -> str:
+        return self.prompt

@@ -43,13 +43,32 @@ class StableDiffusion(nn.Module):
     def scaling_factor(self) -> float:
         return self.vae.cfg.scaling_factor
 
-    def forward(self, timesteps: torch.Tensor, noise: torch.Tensor, *,
-                pixel_values: torch.Tensor | None = None,
-                latent_moments: torch.Tensor | None = None,
-                posterior_noise: torch.Tensor | None = None,
-                input_ids: torch.Tensor | None = None,
-                encoder_hidden_states: torch.Tensor | None = None,
-                input_noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, task: str, *args, **kwargs):
+        """The one entry point, so that a sharded model gathers the weights of
+        whatever runs: ``task`` "train" (:meth:`training_forward`), "text"
+        (text encoder on ids), "denoise" (UNet on latents, timesteps,
+        conditions), "moments" (VAE posterior moments of images) or "decode"
+        (VAE decoder on unscaled latents)."""
+        if task == "train":
+            return self.training_forward(*args, **kwargs)
+        if task == "text":
+            return self.text_encoder(*args, **kwargs)
+        if task == "denoise":
+            return self.unet(*args, **kwargs)
+        if task == "moments":
+            return self.vae.moments(*args, **kwargs)
+        if task == "decode":
+            return self.vae.decode(*args, **kwargs)
+        raise ValueError(f"unknown task {task!r}")
+
+    def training_forward(self, timesteps: torch.Tensor, noise: torch.Tensor, *,
+                         pixel_values: torch.Tensor | None = None,
+                         latent_moments: torch.Tensor | None = None,
+                         posterior_noise: torch.Tensor | None = None,
+                         input_ids: torch.Tensor | None = None,
+                         encoder_hidden_states: torch.Tensor | None = None,
+                         input_noise: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """The training forward, given all its randomness: (prediction, target).
 
         The clean latent is sampled from the posterior of ``pixel_values``
@@ -57,9 +76,7 @@ class StableDiffusion(nn.Module):
         ``posterior_noise``, scaled by the VAE's scaling factor, and noised
         to ``timesteps`` [B] with ``input_noise`` (default ``noise``); the
         target is ``noise`` or the velocity. The text conditions are
-        ``encoder_hidden_states`` or the text encoder's output on
-        ``input_ids``. One call runs every part, so a sharded model gathers
-        each part's weights once per micro-batch.
+        ``encoder_hidden_states`` or the text encoder's output on ``input_ids``.
         """
         with torch.no_grad():  # the VAE is always frozen
             if latent_moments is None:

@@ -29,7 +29,8 @@ def generate_images(model, prompts: str | list[str], *, sampler: str = "ddim", s
     if tokenizer is None:
         raise UserInputError("this model has no tokenizer; give one (a CLIP tokenizer directory)")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    unet, vae, text = model.unet, model.vae, model.text_encoder
+    unet, vae = model.unet, model.vae
+    # every part runs through model(task, ...): a sharded model gathers what it needs
     param = next(unet.parameters())
     device, dtype = param.device, param.dtype
     f = vae.cfg.downscale
@@ -41,22 +42,22 @@ def generate_images(model, prompts: str | list[str], *, sampler: str = "ddim", s
     gen = torch.Generator().manual_seed(seed)
     latents = torch.randn((n, unet.cfg.in_channels, H // f, W // f), generator=gen)
     latents = latents.to(device, dtype)
-    cond = text(tokenizer(prompts).to(device))
+    cond = model("text", tokenizer(prompts).to(device))
     guided = guidance_scale > 1.0
     if guided:
-        uncond = text(tokenizer([negative_prompt] * n).to(device))
+        uncond = model("text", tokenizer([negative_prompt] * n).to(device))
         context = torch.cat([uncond, cond])
 
     def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         t = t.to(device)
         if not guided:
-            return unet(x, t, cond)
-        u, c = unet(torch.cat([x, x]), t, context).chunk(2)
+            return model("denoise", x, t, cond)
+        u, c = model("denoise", torch.cat([x, x]), t, context).chunk(2)
         return u + guidance_scale * (c - u)
 
     schedule = NoiseSchedule(model.noise)
     z = SAMPLERS[sampler](schedule, denoise, latents, steps)
-    images = vae.decode(z / vae.cfg.scaling_factor)
+    images = model("decode", z / vae.cfg.scaling_factor)
     return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
