@@ -19,6 +19,7 @@ import time
 import torch
 
 from giantmodel.config.model import ModelConfig
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model
 from giantmodel.planner import hwbench
 from giantmodel.planner.hardware import profile_from_dict
@@ -26,7 +27,6 @@ from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.measure import LiveStorageCounter
 from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
-from giantmodel.core.loss import cross_entropy_sum
 
 
 def main(argv=None) -> int:

@@ -34,9 +34,9 @@ CONFIGS = [
 
 
 def run_one(name, arch, h, layers, heads, ffn, mb, seq, mode, hw, steps):
+    from giantmodel.core.loss import cross_entropy_sum
     from giantmodel.models import build_model, init_weights
     from giantmodel.parallel.recompute import apply_recompute
-    from giantmodel.core.loss import cross_entropy_sum
 
     m = ModelConfig(arch=arch, hidden_size=h, num_layers=layers, num_heads=heads,
                     num_kv_heads=heads // 2 if arch == "llama" else None, ffn_hidden_size=ffn,
@@ -50,7 +50,7 @@ def run_one(name, arch, h, layers, heads, ffn, mb, seq, mode, hw, steps):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(m, "meta")
-    apply_recompute(model, mode)
+    apply_recompute(model, [f"layers.{k}" for k in model.layers], mode)
     init_weights(model, m, 0, "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, m.vocab_size, (mb, seq), device="cuda")

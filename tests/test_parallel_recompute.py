@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.recompute import apply_recompute
-from giantmodel.core.loss import cross_entropy_sum
 
 
 class _OpCounter(TorchDispatchMode):
@@ -29,7 +29,7 @@ class _OpCounter(TorchDispatchMode):
 def _backward_ops_and_grads(arch: str, mode: str):
     cfg = H.make_config(arch, [f"recompute={mode}", "train.seq_len=32"])
     model = build_model(cfg.model, "meta")
-    apply_recompute(model, cfg.recompute)
+    apply_recompute(model, [f"layers.{k}" for k in model.layers], cfg.recompute)
     init_weights(model, cfg.model, seed=3, device="cpu")
     ids, labels = H.global_batch(cfg, 0)
     loss, n = cross_entropy_sum(model(ids), labels)
@@ -47,12 +47,14 @@ def test_recompute_modes_same_grads(arch):
     full_ops, full = _backward_ops_and_grads(arch, "full")
     layers = H.make_config(arch, []).model.num_layers
     sdpa = [k for k in none_ops | full_ops if k.startswith("_scaled_dot_product") and "backward" not in k]
-    fwd_attn = lambda c: sum(c[k] for k in sdpa)
+    def fwd_attn(c):
+        return sum(c[k] for k in sdpa)
     # the attention core runs again in backward, once per layer, in both modes
     assert fwd_attn(none_ops) == 0
     assert fwd_attn(sel_ops) == layers and fwd_attn(full_ops) == layers
     # matmuls: selective keeps them, full recomputes the blocks' projections
-    mm = lambda c: c["mm"] + c["addmm"] + c["bmm"]
+    def mm(c):
+        return c["mm"] + c["addmm"] + c["bmm"]
     assert mm(sel_ops) == mm(none_ops) < mm(full_ops)
     for grads in (sel, full):
         for name, g in ref.items():

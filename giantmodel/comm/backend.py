@@ -28,9 +28,10 @@ from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from giantmodel.comm import _lib
-from giantmodel.comm.settings import GiantOptions, default_chunk_bytes
-from giantmodel.comm.engine import Engine
+from giantmodel.comm.cuda_reduce import CpuReduce
+from giantmodel.comm.engine import CollectiveEngine
 from giantmodel.comm.hierarchical import HierarchicalAllReduce
+from giantmodel.comm.settings import GiantOptions, default_chunk_bytes
 from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
 from giantmodel.comm.topology import Topology
 
@@ -85,7 +86,7 @@ class GiantProcessGroup(dist.ProcessGroup):
                 self._hier = HierarchicalAllReduce(self._shm, store, self.topology, timeout)
         topo = self.topology
         use_sched = self._settings.priority and self._shm is not None and topo.num_nodes == 1
-        self._engine = Engine(f"giant{size}", sched=self._shm if use_sched else None,
+        self._engine = CollectiveEngine(f"giant{size}", sched=self._shm if use_sched else None,
                               leader=rank == 0)
 
     @staticmethod
@@ -209,7 +210,6 @@ class GiantProcessGroup(dist.ProcessGroup):
     def _cuda_allreduce(self, tensors, opts, op: int, scale: float) -> dist.Work:
         """CPU-Reduce for CUDA tensors (see cuda_reduce.py); ordered with the
         group's other shared-memory collectives by the same engine."""
-        from giantmodel.comm.cuda_reduce import CpuReduce
 
         if self._cpu_reduce is None or self._cpu_reduce.shm is not self._shm:
             self._cpu_reduce = CpuReduce(self._shm)

@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from giantmodel.config.comm import CommConfig
+from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
-from giantmodel.config.train import (CheckpointConfig, OffloadConfig, OptimConfig,
-                                     RunConfig, TrainConfig)
-from giantmodel.config.data import DataConfig
+from giantmodel.config.train import CheckpointConfig, OffloadConfig, OptimConfig, RunConfig, TrainConfig
 
 
 @dataclass
@@ -19,6 +18,8 @@ class JobConfig:
     """One training job. Its defaults are the embedded default run: a tiny
     LLaMA trained on the Python standard library's sources, on the CPU."""
 
+    objective: Literal["lm"] = "lm"
+    """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and supervised fine-tuning)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture and shape."""
     train: TrainConfig = field(default_factory=TrainConfig)

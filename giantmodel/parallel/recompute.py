@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -29,30 +31,26 @@ def _is_collective(op) -> bool:
 
 
 def _policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     if op in _SAVE_OPS or _is_collective(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_policy)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Wrap each block of ``model.layers`` for ``mode`` (none|selective|full)."""
+def apply_recompute(model: nn.Module, block_names: list[str], mode: str) -> None:
+    """Wrap each block (dotted names in ``model``) for ``mode`` (none|selective|full)."""
     if mode == "none":
         return
     if mode not in ("selective", "full"):
         raise ValueError(f"recompute must be none, selective or full; got {mode!r}")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     kwargs: dict = {}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+    for name in block_names:
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, checkpoint_wrapper(owner.get_submodule(leaf), **kwargs))
 

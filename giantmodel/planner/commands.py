@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 
+from giantmodel.config import dump_config, load_config
 from giantmodel.config.errors import ConfigError
 from giantmodel.planner.hardware import get_profile
 from giantmodel.planner.layer_recompute import layer_recompute_plan
@@ -45,7 +46,6 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def load_for_planning(path, overrides):
     """The job config, validated in the parts the planner reads; data paths
     and tokenizers need not exist on the machine that plans."""
-    from giantmodel.config import load_config
 
     cfg = load_config(path, overrides, validate=False)
     cfg.model.validate()
@@ -82,7 +82,6 @@ def run_estimate(args) -> int:
 
 def run_plan(args) -> int:
     """Search layouts, print the top K, write the best as YAML."""
-    from giantmodel.config import dump_config
 
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}", "--top")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from giantmodel.config.errors import ConfigError
 from giantmodel.planner.hardware import CPU_PROFILE_FILE, GB
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -99,7 +100,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from giantmodel.config.errors import ConfigError
 
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ConfigError(f"--device must be cpu or cuda[:N], got {args.device!r}", "--device")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.core.pipeline_split import stage_ids_for_rank
+from giantmodel.distributed.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

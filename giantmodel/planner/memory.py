@@ -32,6 +32,9 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+from giantmodel.models import build_model
+from giantmodel.parallel.flat_buffer import layout_sizes
+from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Layout
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -106,7 +109,6 @@ _TABLES: dict[tuple, ParamTable] = {}
 
 
 def _param_table(key: tuple, model_cfg_obj) -> ParamTable:
-    from giantmodel.models import build_model
 
     if key in _TABLES:
         return _TABLES[key]
@@ -202,26 +204,41 @@ class StateBytes:
 
 def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: int,
                       style: str = "autocast", rank: int = 0,
-                      offload_optimizer: bool = False, zero1: str = "owner") -> dict[str, int]:
+                      offload_optimizer: bool = False, zero1: str = "owner",
+                      strategy: str = "own", bucket_mb: float = 25.0) -> dict[str, int]:
     """Params, grads and optimizer states on one rank, by ZeRO stage:
     1 shards optimizer states, 2 also gradients, 3 also parameters.
 
-    ``zero1="owner"`` counts ZeRO-1 the way this project shards it (whole
-    parameters per rank); ``"even"`` is the ZeRO paper's even split. In this
-    project zero 2 is FSDP2 without resharding after forward, so the
-    persistent parameters are sharded too (the gathered copy that lives from
-    forward to backward is counted as working weights); the paper's (and
-    DeepSpeed's) stage 2 keeps full parameters, which style "mixed" follows."""
+    ``strategy`` is the engine's data-parallel strategy for the layout
+    (:func:`giantmodel.parallel.strategy.strategy_name`). "own" (zero 0/1/2
+    on flat buffers) counts what the engine allocates: whole-parameter
+    ownership per bucket, buffers padded to equal owner chunks
+    (:func:`giantmodel.parallel.flat_buffer.layout_sizes`); zero 2 keeps whole
+    parameters, as in the ZeRO paper. "fsdp" (zero 3, HSDP, zero 2 under
+    pipelines) shards dim 0 as FSDP2 does; its zero 2 keeps the parameters
+    sharded at rest (the copy gathered from forward to backward is counted
+    as working weights). ``zero1="even"`` is the ZeRO paper's even split,
+    which style "mixed" (Megatron/DeepSpeed bytes per element) follows."""
     b = StateBytes.for_style(style)
-    full = sum(math.prod(s) for s in shapes)
-    shard = sum(shard_numel(s, shard_degree, rank) for s in shapes) if zero else full
-    opt = shard
-    if zero == 1 and zero1 == "owner":
-        opt = owner_numel(shapes, shard_degree, rank)
+    sizes = [math.prod(s) for s in shapes]
+    full = sum(sizes)
+    if zero == 0 or shard_degree == 1 or strategy == "none":
+        params = grads = opt = full
+    elif strategy == "own" and zero1 == "owner":
+        flat = layout_sizes(sizes, owners=shard_degree, rank=rank,
+                            bucket_numel=int(bucket_mb * 2**20) // b.grad)
+        params = flat.total if style != "mixed" else full
+        grads = flat.shard if zero == 2 else flat.total
+        opt = flat.owned
+    else:
+        shard = sum(shard_numel(s, shard_degree, rank) for s in shapes)
+        params = shard if zero >= (3 if style == "mixed" or strategy == "own" else 2) else full
+        grads = shard if zero >= 2 else full
+        opt = shard
     return {
-        "params": b.param * (shard if zero >= (3 if style == "mixed" else 2) else full),
-        "grads": b.grad * (shard if zero >= 2 else full),
-        "optimizer": 0 if offload_optimizer else b.optim * (opt if zero >= 1 else full),
+        "params": b.param * params,
+        "grads": b.grad * grads,
+        "optimizer": 0 if offload_optimizer else b.optim * opt,
     }
 
 
@@ -443,13 +460,17 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     ns = layout.num_stages
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
-           layout.zero, shard_degree, style, layout.offload_optimizer)
+           layout.zero, shard_degree, style, layout.offload_optimizer, layout.dp_replicate,
+           layout.pp, layout.bucket_mb)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
+        strategy = strategy_name(zero=layout.zero, dp_cp=layout.dp * layout.cp,
+                                 hybrid=layout.dp_replicate > 1, pp=layout.pp)
         states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
-                                   layout.offload_optimizer)
+                                   layout.offload_optimizer, strategy=strategy,
+                                   bucket_mb=layout.bucket_mb)
         _STATES[key] = (states, sum(math.prod(s) for s in shapes))
     states, full = _STATES[key]
     return dict(states), full
