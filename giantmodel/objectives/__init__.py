@@ -17,11 +17,13 @@ from collections.abc import Callable
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.schema import JobConfig
+from giantmodel.objectives.diffusion import Diffusion
 from giantmodel.objectives.lm import LanguageModel
 from giantmodel.parallel.objective import BaseObjective
 
 OBJECTIVES: dict[str, Callable[..., BaseObjective]] = {
     "lm": LanguageModel.from_config,
+    "diffusion": Diffusion.from_config,
 }
 
 
@@ -35,4 +37,4 @@ def build_objective(cfg: JobConfig) -> BaseObjective:
     return factory(cfg)
 
 
-__all__ = ["OBJECTIVES", "LanguageModel", "build_objective"]
+__all__ = ["OBJECTIVES", "Diffusion", "LanguageModel", "build_objective"]

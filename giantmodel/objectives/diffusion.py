@@ -168,7 +168,7 @@ class Diffusion(BaseObjective):
         shape = latent_shape_of(batch, self.vae_cfg.downscale, self.vae_cfg.latent_channels)
         draws = draw_noise(batch["position"], shape, self.noise_cfg.num_train_timesteps,
                            self.seed, self.sd)
-        pred, target = module(**model_inputs(batch, draws, device))
+        pred, target = module("train", **model_inputs(batch, draws, device))
         per = per_image_loss(pred, target, draws["timesteps"], module.schedule, self.sd.snr_gamma)
         weight = self.sd.dreambooth.prior_loss_weight if self.sd.dreambooth else 1.0
         return reduce_loss(per, batch, weight)
@@ -201,13 +201,13 @@ class Diffusion(BaseObjective):
                                      self.cfg.data.images.resolution, self.sd.train_text_encoder,
                                      self.cfg.data.cache_latents)
 
-    def describe(self) -> str:
-        m = self.module
-        count = (lambda part: sum(p.numel() for p in part.parameters()) / 1e6)
-        if m is None:
-            return self.sd.name
-        return (f"{self.sd.name} (UNet {count(m.unet):.1f}M, VAE {count(m.vae):.1f}M, "
-                f"text encoder {count(m.text_encoder):.1f}M params)")
+    def model_name(self) -> str:
+        return self.sd.name
+
+    def num_params(self) -> int:
+        if self.module is None:
+            return 0
+        return sum(p.numel() for p in self.module.parameters())
 
     def averaged(self) -> contextlib.AbstractContextManager:
         """Within the block the UNet holds its EMA weights (when kept)."""
