@@ -116,8 +116,9 @@ def _cmd_version(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: comm collectives, training throughput, hardware",
                        description="Benchmarks. 'comm': collectives x sizes x backends; "
-                       "'train': training throughput of a config; 'hw': this machine's profile.")
-    bsub = p.add_subparsers(dest="bench", metavar="{comm,train,hw}")
+                       "'train': training throughput of a config; 'hw': this machine's profile; "
+                       "'topology': links between ranks, for rank placement.")
+    bsub = p.add_subparsers(dest="bench", metavar="{comm,train,hw,topology}")
     bsub.required = True
     _delegate(bsub, "comm", "collective bandwidth table (nccl-tests algbw/busbw)",
               "giantmodel.comm.bench", "add_arguments", "main")
@@ -125,6 +126,8 @@ def _add_bench(sub) -> None:
               "giantmodel.train.bench", "add_arguments", "main")
     _delegate(bsub, "hw", "measure this machine's FLOP/s and bandwidth as a planner profile",
               "giantmodel.planner.hwbench", "add_arguments", "main")
+    _delegate(bsub, "topology", "measure latency and bandwidth between ranks; write "
+              "topology.yaml", "giantmodel.distributed.linkprobe", "add_arguments", "main")
 
 
 def build_parser() -> argparse.ArgumentParser:

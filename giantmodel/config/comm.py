@@ -58,6 +58,15 @@ class CommConfig:
     """Pin the gradient bucket size (MiB) that the giant backend's tuner
     writes into parallel.bucket_mb; 0 = measure it (25 when autotune is off)."""
 
+    topology: str = "measure"
+    """Links between ranks, for parallel.placement=auto: "measure" probes
+    latency and bandwidth at start-up (a few seconds, cached per host set in
+    $GIANTMODEL_CACHE/topology), or the path of a topology.yaml written by
+    'giantmodel bench topology' or by hand (docs/placement.md)."""
+
+    topology_refresh: bool = False
+    """Measure the links again even when a cached measurement exists."""
+
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; use one of {BACKENDS}",
@@ -77,6 +86,9 @@ class CommConfig:
         if self.bucket_mb < 0:
             raise ConfigError(f"must be >= 0 (0 = tuned), got {self.bucket_mb}",
                               key="comm.bucket_mb")
+        if not self.topology:
+            raise ConfigError('must be "measure" or the path of a topology.yaml',
+                              key="comm.topology")
         if self.cuda_cpu_reduce and self.backend not in ("giant",):
             raise ConfigError("CPU-Reduce is a feature of the giant backend; set "
                               "comm.backend=giant or comm.cuda_cpu_reduce=false",

@@ -47,8 +47,8 @@ class ParallelConfig:
     """How context-parallel attention exchanges K/V: all-gather of K/V with causal load balancing."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB (zero 0-2)."""
-    placement: list[int] | None = None
-    """Rank placement: entry i is the global rank that takes mesh position i (pp, dp, cp, tp order, tp fastest); null is the identity."""
+    placement: list[int] | Literal["auto"] | None = None
+    """Rank placement: entry i is the global rank that takes mesh position i (pp, dp, cp, tp order, tp fastest); null is the identity; "auto" chooses the order with the least predicted communication time on the links of comm.topology (logged, and written resolved into run.dir/config.yaml)."""
     timeout_s: float = 600.0
     """Collective timeout: a dead or stuck rank makes the others fail after this many seconds."""
 

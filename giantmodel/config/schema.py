@@ -30,7 +30,9 @@ class JobConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: fp32; bf16 autocast with fp32 master weights; fp16 autocast with dynamic loss scaling."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none; selective (attention core and MLP activation); full (whole blocks)."""
+    """Activation recomputation: none; selective (keep matmul, attention and reduced outputs, recompute norms, casts, rotary, activations and gathers); full (whole blocks)."""
+    recompute_layers: list[Literal["none", "selective", "full"]] | None = None
+    """Per-block recompute, one mode per model layer (block i takes entry i); overrides ``recompute`` when set. ``giantmodel plan`` writes it when recomputing some blocks is enough to fit."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Data, ZeRO, tensor, sequence, pipeline and context parallelism."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -62,5 +64,11 @@ class JobConfig:
                 f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
                 f"{self.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len",
                 "train.seq_len")
+        if (self.recompute_layers is not None
+                and len(self.recompute_layers) != self.model.num_layers):
+            raise ConfigError(
+                f"has {len(self.recompute_layers)} entries but model.num_layers is "
+                f"{self.model.num_layers}; give one mode per layer, or null to use recompute",
+                "recompute_layers")
         if self.offload.prefetch_layers < 0:
             raise ConfigError("must be >= 0", "offload.prefetch_layers")

@@ -47,6 +47,10 @@ def resolve_dp(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
 def validate_placement(perm: list[int] | None, world_size: int) -> list[int]:
     """``perm`` (the identity when None), checked to be a permutation of
     ``0..world_size-1``."""
+    if perm == "auto":
+        raise ConfigError("'auto' must be resolved to a permutation before the mesh is built "
+                          "(giantmodel.distributed.placement.resolve_placement)",
+                          "parallel.placement")
     if perm is None:
         return list(range(world_size))
     if len(perm) != world_size:
@@ -68,7 +72,8 @@ def validate_layout(*, degrees: dict[str, int], rank_layout, model: ModelConfig,
     ``degrees`` holds ``tp, cp, pp, dp`` and ``world_size``; ``rank_layout``
     is the [pp, dp_replicate, dp_shard, cp, tp] tensor of global ranks."""
     tp, cp, pp, dp = degrees["tp"], degrees["cp"], degrees["pp"], degrees["dp"]
-    validate_placement(parallel.placement, degrees["world_size"])
+    if parallel.placement != "auto":  # "auto" is resolved (and checked) at start-up
+        validate_placement(parallel.placement, degrees["world_size"])
     if tp > 1:
         _check_tensor_parallel(tp, model, train, parallel)
     if cp > 1 and train.seq_len % (2 * cp):

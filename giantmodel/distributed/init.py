@@ -8,6 +8,7 @@ has none of them and runs as a single process without a process group.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,3 +67,61 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device, info:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------ lost hosts
+class HostLostError(RuntimeError):
+    """A collective failed because a peer host stopped answering; the
+    message names the host and its ranks."""
+
+
+@dataclass(frozen=True)
+class PeerHost:
+    rank: int
+    host: str
+    addresses: tuple[str, ...]
+
+
+def gather_peer_hosts() -> list[PeerHost]:
+    """Every rank's host name and the addresses its peers reach it at, so that
+    a transport error naming an address can name the host instead."""
+    import socket
+
+    host = socket.gethostname()
+    addrs = set()
+    try:
+        addrs.update(socket.gethostbyname_ex(host)[2])
+    except OSError:
+        pass
+    master = os.environ.get("MASTER_ADDR")
+    if master:  # the address this host uses towards the others
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+                addrs.add(s.getsockname()[0])
+        except OSError:
+            pass
+    mine = PeerHost(dist.get_rank(), host, tuple(sorted(addrs)))
+    peers: list[PeerHost | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, mine)
+    return peers
+
+
+_ADDRESS = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?(?::\d+)?")
+
+
+def describe_lost_peer(error: BaseException, peers: list[PeerHost], me: int) -> str | None:
+    """"lost host X (ranks ...)" when ``error`` is a transport failure that
+    names a peer's address (gloo: "Read error [10.0.0.2]:4242: Connection
+    reset by peer"); None when it names no known peer."""
+    text = str(error)
+    mine = set(peers[me].addresses) if 0 <= me < len(peers) else set()
+    for addr in _ADDRESS.findall(text):
+        if addr in mine:
+            continue
+        hit = [p for p in peers if addr in p.addresses]
+        if hit:
+            ranks = sorted(p.rank for p in peers if p.host == hit[0].host)
+            first = text.strip().splitlines()[0][:300]
+            return (f"lost contact with host {hit[0].host} (ranks {ranks}, {addr}): {first}")
+    return None

@@ -22,9 +22,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from giantmodel.config.errors import ConfigError
 from giantmodel.config.schema import JobConfig
 from giantmodel.core.layout import resolve_dp, validate_layout, validate_placement
 from giantmodel.core.pipeline_split import PipelinePlan
+from giantmodel.distributed.links import load_topology
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -47,6 +49,8 @@ class ParallelDims:
     """Global rank at each mesh position (row-major pp, dp_replicate, dp_shard, cp, tp); None is the identity."""
     timeout_s: float | None = None
     """Collective timeout applied to every mesh group (``parallel.timeout_s``)."""
+    placement_pending: bool = False
+    """True while ``parallel.placement: auto`` awaits :func:`~giantmodel.distributed.placement.resolve_placement`."""
     pipeline: PipelinePlan | None = None
     """Stages, schedule and micro-batches when ``pp > 1`` (made by :meth:`from_config`)."""
     _mesh: object = field(default=None, repr=False, compare=False)
@@ -58,15 +62,22 @@ class ParallelDims:
         """Resolve ``parallel.dp = -1``, split dp into replicate x shard by the
         ZeRO stage and hybrid group, and validate the whole layout (pipeline
         included) against ``cfg.model`` and ``cfg.train``: the one place a
-        layout is checked, before any process group exists."""
+        layout is checked, before any process group exists. A placement of
+        "auto" is left None here; :func:`giantmodel.distributed.placement.resolve_placement`
+        fills it once the process group exists, before :meth:`build_mesh`."""
         p = cfg.parallel
         replicate, shard = resolve_dp(p, world_size)
+        # "auto" stays unresolved (None) until resolve_placement measures the links
+        placement = None if p.placement == "auto" else p.placement
         dims = cls(world_size=world_size, dp_replicate=replicate, dp_shard=shard,
-                   cp=p.cp, tp=p.tp, pp=p.pp, placement=p.placement, timeout_s=p.timeout_s)
+                   cp=p.cp, tp=p.tp, pp=p.pp, placement=placement, timeout_s=p.timeout_s,
+                   placement_pending=p.placement == "auto")
         degrees = {"world_size": world_size, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp,
                    "dp": dims.dp}
         dims.pipeline = validate_layout(degrees=degrees, rank_layout=dims.mesh_layout(),
                                         model=cfg.model, train=cfg.train, parallel=p)
+        if p.placement == "auto" and cfg.comm.topology != "measure":
+            load_topology(cfg.comm.topology, world_size)  # a bad file fails before any group
         return dims
 
     @property
@@ -82,6 +93,11 @@ class ParallelDims:
     def degrees(self) -> tuple[int, ...]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
+    @property
+    def degree_map(self) -> dict[str, int]:
+        """Degree of each mesh dimension, by name."""
+        return dict(zip(MESH_DIMS, self.degrees))
+
     def mesh_layout(self):
         """[pp, dp_replicate, dp_shard, cp, tp] tensor of global ranks."""
         ranks = torch.tensor(self.placement if self.placement is not None
@@ -93,6 +109,10 @@ class ParallelDims:
         views used by data parallelism and loss reduction: ``dp``
         (replicate x shard), ``dp_shard_cp`` (FSDP's shard group when cp > 1)
         and ``dp_cp`` (groups that see different tokens)."""
+        if self.placement_pending:
+            raise ConfigError("'auto' must be resolved to a permutation before the mesh is "
+                              "built (giantmodel.distributed.placement.resolve_placement)",
+                              "parallel.placement")
         validate_placement(self.placement, self.world_size)
         mesh = DeviceMesh(device_type, self.mesh_layout(), mesh_dim_names=MESH_DIMS)
         # torch >= 2.11 wants flattened views kept by the caller rather than

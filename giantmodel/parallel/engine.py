@@ -90,6 +90,7 @@ class TrainEngine:
     def __init__(self, objective: Objective, dims, device: torch.device, *,
                  parallel: ParallelConfig, recompute: str, offload: OffloadConfig,
                  compile: bool, precision: str, bucket_mb: float,
+                 recompute_layers: list[str] | None = None,
                  strategy: DataParallelStrategy | None = None):
         self.objective = objective
         self.dims = dims
@@ -103,7 +104,8 @@ class TrainEngine:
         for spec in self.runner.stage_specs():
             module = objective.build(spec)
             parallelize(module, objective, dims, self.strategy, sp=parallel.sp,
-                        recompute=recompute, offload=offload, compile=compile)
+                        recompute=recompute, recompute_layers=recompute_layers,
+                        offload=offload, compile=compile)
             objective.init_weights(module, device)
             self.parts.append(module)
         self.strategy.attach(self.parts)

@@ -25,13 +25,17 @@ from giantmodel.parallel.recompute import apply_recompute
 
 
 def parallelize(module: nn.Module, objective: Objective, dims, strategy, *, sp: bool,
-                recompute: str, offload: OffloadConfig, compile: bool) -> nn.Module:
+                recompute: str, offload: OffloadConfig, compile: bool,
+                recompute_layers: list[str] | None = None) -> nn.Module:
+    """``recompute_layers``, when given, is one mode per block by global block
+    index (block names end in it); it replaces ``recompute``."""
     if dims.tp > 1:
         objective.apply_tensor_parallel(module, dims["tp"], sp=sp)
     if dims.cp > 1:
         objective.apply_context_parallel(module, dims["cp"])
     names = objective.blocks(module)
-    apply_recompute(module, names, recompute)
+    apply_recompute(module, {n: recompute if recompute_layers is None
+                             else recompute_layers[int(n.rsplit(".", 1)[-1])] for n in names})
     blocks = [module.get_submodule(n) for n in names]
     if offload.activations:
         apply_offload(module, blocks, offload.prefetch_layers)

@@ -9,11 +9,12 @@ import time
 
 from giantmodel.config import dump_config, load_config
 from giantmodel.config.errors import ConfigError
-from giantmodel.planner.hardware import get_profile
+from giantmodel.planner.hardware import get_profile, single_profile
 from giantmodel.planner.layer_recompute import layer_recompute_plan
 from giantmodel.planner.layout import Cluster, resolve_layout
 from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
+from giantmodel.planner.placement import add_topology_argument, place_on_topology
 from giantmodel.planner.report import estimate_dict, format_estimate, format_plan, pipeline_report
 from giantmodel.planner.search import apply_layout, search, smallest_fitting_cluster, verified
 
@@ -23,10 +24,13 @@ def _common(p: argparse.ArgumentParser, gpu_required: bool) -> None:
                    help="job YAML (default: the embedded default run)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. train.micro_batch_size=2")
-    p.add_argument("--gpu", required=gpu_required, default=None if gpu_required else "cpu",
+    p.add_argument("--gpu", default=None,
                    help="hardware profile: h100-sxm, h100-pcie, h200, a100-80g, a100-40g, "
-                        "a800, v100-32g, v100-16g, cpu, or one from --hw-file")
+                        "a800, v100-32g, v100-16g, cpu, measured (what `giantmodel bench hw` "
+                        "wrote), or one from --hw-file" + ("" if gpu_required else "; default cpu"))
     p.add_argument("--hw-file", default=None, help="YAML with extra hardware profiles")
+    p.add_argument("--profile", default=None,
+                   help="a profile YAML written by `giantmodel bench hw --out FILE` (instead of --gpu)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the profile's, 8 for GPUs, 1 for cpu)")
@@ -41,6 +45,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, gpu_required=True)
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--out", default=None, help="write the best layout as a runnable YAML here")
+    add_topology_argument(p)
 
 
 def load_for_planning(path, overrides):
@@ -51,6 +56,9 @@ def load_for_planning(path, overrides):
     cfg.model.validate()
     cfg.train.validate()
     cfg.parallel.validate()
+    if cfg.recompute_layers is not None and len(cfg.recompute_layers) != cfg.model.num_layers:
+        raise ConfigError(f"has {len(cfg.recompute_layers)} entries but model.num_layers is "
+                          f"{cfg.model.num_layers}", "recompute_layers")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len {cfg.train.seq_len} exceeds model.max_seq_len "
                           f"{cfg.model.max_seq_len}", "train.seq_len")
@@ -59,7 +67,14 @@ def load_for_planning(path, overrides):
 
 def _load(args):
     cfg = load_for_planning(args.config, args.overrides)
-    hw = get_profile(args.gpu, args.hw_file)
+    if args.profile and args.gpu:
+        raise ConfigError("give either --gpu or --profile, not both", "--profile")
+    if args.profile:
+        hw = single_profile(args.profile)
+    elif args.gpu is None and getattr(args, "top", None) is not None:
+        raise ConfigError("plan needs the hardware: --gpu NAME or --profile FILE", "--gpu")
+    else:
+        hw = get_profile(args.gpu or "cpu", args.hw_file)
     gpn = args.gpus_per_node or hw.gpus_per_node
     if args.nodes < 1 or gpn < 1:
         raise ConfigError(f"need --nodes >= 1 and --gpus-per-node >= 1, got {args.nodes} "
@@ -100,14 +115,20 @@ def run_plan(args) -> int:
             f"{cluster} {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each); {where}")
     elapsed = time.monotonic() - start
     top = best[0]
+    run_cfg = apply_layout(cfg, top.layout)
+    placed = (place_on_topology(run_cfg, args.topology, cluster.world) if args.topology
+              else None)
     if args.out:
-        dump_config(apply_layout(cfg, top.layout), args.out)
+        dump_config(run_cfg, args.out)
     if args.json:
         rows = [estimate_dict(cfg.model, c.layout, hw, cluster, c.memory, c.perf) for c in best]
+        extra = {"placement": vars(placed)} if placed else {}
         print(json.dumps({"searched": len(cands), "seconds": elapsed, "top": rows,
-                          "out": args.out}, indent=2))
+                          "out": args.out, **extra}, indent=2))
     else:
         print(format_plan(best, cluster, hw.name))
+        if placed:
+            print(f"best layout on {args.topology}: {placed.log_line()}")
         print(f"{len(cands)} fitting layouts ranked in {elapsed:.1f} s")
         pl = pipeline_report(cfg.model, top.layout, hw, cluster)
         if len(pl["stages"]) > 1:

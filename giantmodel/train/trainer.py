@@ -22,8 +22,17 @@ from giantmodel.config import JobConfig, dump_config
 from giantmodel.core.optim import SchedulerState, build_scheduler
 from giantmodel.core.precision import Precision
 from giantmodel.data.checks import check_data
-from giantmodel.distributed.init import init_distributed, pick_device, shutdown_distributed, world_info
+from giantmodel.distributed.init import (
+    HostLostError,
+    describe_lost_peer,
+    gather_peer_hosts,
+    init_distributed,
+    pick_device,
+    shutdown_distributed,
+    world_info,
+)
 from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.distributed.placement import resolve_placement
 from giantmodel.metrics.flops import peak_flops
 from giantmodel.metrics.logger import MetricsLogger
 from giantmodel.objectives import build_objective
@@ -68,7 +77,8 @@ def build_engine(cfg: JobConfig, objective: BaseObjective, dims: ParallelDims, d
     """The engine for ``cfg``'s layout (``bucket_mb``: a tuned bucket size,
     else ``parallel.bucket_mb``)."""
     return TrainEngine(objective, dims, device, parallel=cfg.parallel, recompute=cfg.recompute,
-                       offload=cfg.offload, compile=cfg.train.compile, precision=cfg.precision,
+                       recompute_layers=cfg.recompute_layers, offload=cfg.offload,
+                       compile=cfg.train.compile, precision=cfg.precision,
                        bucket_mb=bucket_mb if bucket_mb is not None else cfg.parallel.bucket_mb)
 
 
@@ -76,6 +86,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.info = world_info()
+        self.peers, self.placement = [], None
         self.dims, self.objective = preflight(cfg, self.info.world_size)
         self.run_dir = Path(cfg.run.dir)
         if cfg.train.threads:
@@ -86,6 +97,8 @@ class Trainer:
         backend, pg_options = backend_for(cfg.comm, self.device.type)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
         if self.info.world_size > 1:
+            self.peers = gather_peer_hosts()
+            self.placement = resolve_placement(cfg, self.dims, backend, log=self._print)
             self.dims.build_mesh(self.device.type)
         torch.manual_seed(cfg.train.seed)
         self.bucket_mb = self._bucket_mb()
@@ -221,6 +234,12 @@ class Trainer:
                     self._save()
                     window_t0, window_steps = time.perf_counter(), 0
             self.ckpt.wait()
+        except Exception as e:
+            lost = describe_lost_peer(e, self.peers, self.info.rank) if self.peers else None
+            if lost is None:
+                raise
+            print(f"error: rank {self.info.rank}: {lost}", file=sys.stderr, flush=True)
+            raise HostLostError(lost) from e
         finally:
             signal.signal(signal.SIGTERM, old_handler)
         summary["step"] = self.state.step
