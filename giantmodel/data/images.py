@@ -30,6 +30,7 @@ import torch
 
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.data.loader import check_batch_layout
+from giantmodel.data.shapes import ShapesSource
 
 STATE_VERSION = 1
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
@@ -193,7 +194,6 @@ class Subset:
 
 def open_source(cfg, seed: int):
     """The image source a ``data:`` section names (source "images" or "shapes")."""
-    from giantmodel.data.shapes import ShapesSource
 
     ic = cfg.images
     if cfg.source == "shapes":

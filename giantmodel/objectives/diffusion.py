@@ -23,14 +23,17 @@ import fcntl
 from pathlib import Path
 
 import torch
-from giantmodel.parallel.objective import BaseObjective, StageSpec
 from torch import nn
 
+from giantmodel.checkpoint import load_model_weights
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.config.sd import NoiseConfig, SDConfig, TextEncoderConfig, UNetConfig, VAEConfig
 from giantmodel.models.registry import canonical_name, copy_full_into
+from giantmodel.models.sd.diffusers_io import diffusers_to_native, read_pipeline_configs, read_weights
+from giantmodel.models.sd.flops import train_flops_per_image
 from giantmodel.models.sd.model import StableDiffusion, build_sd, freeze, init_sd_weights
 from giantmodel.models.sd.tokenizer import CLIPTokenizer, build_word_tokenizer
+from giantmodel.objectives.diffusion_data import open_training_data, write_samples
 from giantmodel.objectives.diffusion_loss import (
     draw_noise,
     latent_shape_of,
@@ -38,12 +41,13 @@ from giantmodel.objectives.diffusion_loss import (
     per_image_loss,
     reduce_loss,
 )
+from giantmodel.objectives.diffusion_vae import cached_vae, read_cached_vae
 from giantmodel.objectives.ema import EMA
+from giantmodel.parallel.objective import BaseObjective, StageSpec
 
 
 def resolve_shapes(sd: SDConfig) -> tuple[UNetConfig, VAEConfig, TextEncoderConfig, NoiseConfig]:
     if sd.pretrained:
-        from giantmodel.models.sd.diffusers_io import read_pipeline_configs
         try:
             return read_pipeline_configs(Path(sd.pretrained))
         except UserInputError as e:
@@ -76,7 +80,6 @@ class Diffusion(BaseObjective):
         self.seed = cfg.train.seed
         self.unet_cfg, self.vae_cfg, self.text_cfg, self.noise_cfg = resolve_shapes(self.sd)
         self._check_resolution()
-        from giantmodel.objectives.diffusion_data import open_training_data
         self.data = open_training_data(cfg, self.vae_cfg)
         self.tokenizer = resolve_tokenizer(self.sd, self.data.all_captions(),
                                            self.text_cfg.max_position_embeddings)
@@ -105,7 +108,6 @@ class Diffusion(BaseObjective):
         read the VAE of ``sd.vae_pretrain_steps``; sets the VAE's scaling factor."""
         if not self.sd.vae_pretrain_steps or self.sd.pretrained:
             return None
-        from giantmodel.objectives.diffusion_vae import cached_vae, read_cached_vae
 
         cache = self.cfg.data.resolved_cache_dir()
         cache.mkdir(parents=True, exist_ok=True)
@@ -150,7 +152,6 @@ class Diffusion(BaseObjective):
             self.ema = EMA(module.unet, self.sd.ema_decay, prefix="unet.")
 
     def _load_diffusers(self, module: nn.Module, path: Path) -> None:
-        from giantmodel.models.sd.diffusers_io import diffusers_to_native, read_weights
 
         state = diffusers_to_native(read_weights(path / "unet", ("diffusion_pytorch_model",)),
                                     read_weights(path / "vae", ("diffusion_pytorch_model",)),
@@ -189,14 +190,12 @@ class Diffusion(BaseObjective):
         if (p / "model_index.json").is_file():
             self._load_diffusers(parts[0], p)
             return p
-        from giantmodel.checkpoint import load_model_weights
         return load_model_weights(parts, path)
 
     def step_units(self) -> tuple[str, int]:
         return "images", self.cfg.train.global_batch_size
 
     def flops_per_unit(self) -> float:
-        from giantmodel.models.sd.flops import train_flops_per_image
         return train_flops_per_image(self.unet_cfg, self.vae_cfg, self.text_cfg,
                                      self.cfg.data.images.resolution, self.sd.train_text_encoder,
                                      self.cfg.data.cache_latents)
@@ -214,7 +213,6 @@ class Diffusion(BaseObjective):
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
     def sample(self, model: nn.Module) -> str | None:
-        from giantmodel.objectives.diffusion_data import write_samples
         with self.averaged():
             return write_samples(self, model, Path(self.cfg.run.dir) / "samples")
 

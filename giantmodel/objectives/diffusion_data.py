@@ -9,6 +9,7 @@ batch, on every rank together (sharded models run in lockstep).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from giantmodel.data.images import (
 )
 from giantmodel.data.latent_cache import LatentCache, cache_key
 from giantmodel.data.shapes import RingSource, ShapesSource, caption_words, check_caption
+from giantmodel.models.sd.sampling import generate_images, save_png, to_pil
 
 VALID_IMAGES = 64
 
@@ -173,10 +175,10 @@ class TrainingData:
         if db is not None and db.with_prior_preservation:
             # the class images exist only after _prepare_classes; their number is known now
             loader = DreamBoothLoader(self.train, _Length(db.num_class_images), tok, **kw)
-            prepare = (lambda ld: self._prepare_classes(objective, ld))
+            prepare = functools.partial(self._prepare_classes, objective)
         else:
             loader = ImageLoader(self.train, tok, **kw)
-            prepare = (lambda ld: self._prepare_cache(objective, ld)) if cfg.data.cache_latents else None
+            prepare = functools.partial(self._prepare_cache, objective) if cfg.data.cache_latents else None
         val = ImageValLoader(loader, self.val, cfg.data.val_batches)
         return (PreparedLoader(loader, prepare) if prepare else loader), val
 
@@ -229,7 +231,6 @@ class TrainingData:
 
 def generate_class_images(objective, folder: Path, indices: list[int], batch: int = 8) -> None:
     """Class images ``indices`` from the model itself, split over the ranks in lockstep."""
-    from giantmodel.models.sd.sampling import generate_images, save_png
 
     sd, db = objective.sd, objective.sd.dreambooth
     rank, world = _world()
@@ -281,7 +282,6 @@ def sample_prompts(objective) -> list[str]:
 
 def write_samples(objective, model, out: Path, batch: int = 16) -> str | None:
     """PNGs for the sample prompts (and, on the shapes set, the caption check rate)."""
-    from giantmodel.models.sd.sampling import generate_images, save_png, to_pil
 
     sd = objective.sd
     prompts = sample_prompts(objective)
@@ -316,7 +316,6 @@ def write_samples(objective, model, out: Path, batch: int = 16) -> str | None:
 def _grid(images: list[torch.Tensor], path: Path, cols: int = 8) -> None:
     from PIL import Image
 
-    from giantmodel.models.sd.sampling import to_pil
 
     h, w = images[0].shape[1:]
     rows = -(-len(images) // cols)

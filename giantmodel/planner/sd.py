@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.models.sd import build_sd
+from giantmodel.models.sd.diffusers_io import read_pipeline_configs
 
 # Share of peak FLOP/s an SD training step reaches on a GPU. Calibrated on the
 # one published anchor: MosaicML's SD2-base UNet run with precomputed latents,
@@ -85,7 +87,6 @@ class SDCosts:
 def measure_sd(unet_cfg, vae_cfg, text_cfg, resolution: int, precision: str,
                train_text_encoder: bool) -> SDCosts:
     """Run the models once on the meta device for one image at ``resolution``."""
-    from giantmodel.models.sd import build_sd
 
     model = build_sd(unet_cfg, vae_cfg, text_cfg)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -135,7 +136,9 @@ def measure_sd(unet_cfg, vae_cfg, text_cfg, resolution: int, precision: str,
             model.vae.moments(img)
     for h in hooks:
         h.remove()
-    count = (lambda m: sum(p.numel() for p in m.parameters()))
+    def count(m: torch.nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
     return SDCosts(
         unet_params=count(unet), vae_params=count(model.vae), text_params=count(model.text_encoder),
         unet_fwd_flops=float(fc_fwd.get_total_flops()), unet_bwd_flops=float(fc_bwd.get_total_flops()),
@@ -238,7 +241,6 @@ def sd_shapes(cfg):
     if sd.pretrained:
         from pathlib import Path
 
-        from giantmodel.models.sd.diffusers_io import read_pipeline_configs
         unet, vae, text, _ = read_pipeline_configs(Path(sd.pretrained))
         return unet, vae, text
     return sd.unet, sd.vae, sd.text_encoder

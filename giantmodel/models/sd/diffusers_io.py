@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from giantmodel.config.errors import UserInputError
+from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.config.sd import NoiseConfig, TextEncoderConfig, UNetConfig, VAEConfig
 from giantmodel.models.sd.model import StableDiffusion, build_sd
 from giantmodel.models.sd.tokenizer import CLIPTokenizer
@@ -73,9 +73,12 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _norm(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
 def _same(a, b) -> bool:
-    norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
-    return norm(a) == norm(b)
+    return _norm(a) == _norm(b)
 
 
 def _check_fixed(raw: dict, fixed: dict, where: Path) -> None:
@@ -154,7 +157,6 @@ def noise_config_from_diffusers(raw: dict, where: Path) -> NoiseConfig:
 
 
 def _validated(cfg, where: Path) -> None:
-    from giantmodel.config.errors import ConfigError
     try:
         cfg.validate(prefix=str(where))
     except ConfigError as e:

@@ -12,12 +12,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from giantmodel.config.loader import to_dict
 from giantmodel.config.sd import TextEncoderConfig, UNetConfig, VAEConfig
+from giantmodel.models.sd.model import build_sd
 
 
 def count_flops(unet_cfg: UNetConfig, vae_cfg: VAEConfig, text_cfg: TextEncoderConfig,
                 resolution: int) -> dict[str, float]:
     """Per image: UNet forward and backward, text encoder forward, VAE encoder forward."""
-    from giantmodel.models.sd.model import build_sd
 
     model = build_sd(unet_cfg, vae_cfg, text_cfg)
     f = vae_cfg.downscale
