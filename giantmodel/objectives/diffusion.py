@@ -137,7 +137,10 @@ class Diffusion(BaseObjective):
         return names
 
     def edge_units(self, module: nn.Module) -> list[list[nn.Module]]:
-        units = [[module.vae]]
+        # the VAE runs through methods (moments, decode), not its forward: each
+        # FSDP unit is a set of modules whose forwards do run, so it gathers
+        vae = module.vae
+        units = [[vae.encoder, vae.quant_conv], [vae.decoder, vae.post_quant_conv]]
         if not self.sd.train_text_encoder:
             units.append([module.text_encoder])
         return units

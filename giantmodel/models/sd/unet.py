@@ -78,8 +78,9 @@ class UpBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, skips: list[torch.Tensor], temb: torch.Tensor,
                 context: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
+        # skips are read, never popped: a recomputed forward sees the same list
         for i, resnet in enumerate(self.resnets):
-            h = resnet(torch.cat([h, skips.pop()], dim=1), temb)
+            h = resnet(torch.cat([h, skips[-1 - i]], dim=1), temb)
             if self.attentions is not None:
                 h = self.attentions[i](h, context)
         if self.upsamplers is not None:
