@@ -143,7 +143,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.comm.backend != "giant" or self.dims.dp * self.dims.cp == 1:
             return cfg.parallel.bucket_mb
-        choice = tune(self.dims.group("dp_cp"), cfg.comm, cfg.model.name, cfg.model.num_params())
+        choice = tune(self.dims.group("dp_cp"), cfg.comm, self.objective.model_name(),
+                      self.objective.num_params())
         self._print(f"comm: gradient buckets of {choice.bucket_mb:g} MiB "
                     f"({'cached' if choice.from_cache else 'tuned' if cfg.comm.autotune else 'fixed'})")
         return choice.bucket_mb
@@ -166,6 +167,7 @@ class Trainer:
             "data": self.train_loader,
             "rng": RNGState(),
             "trainer": self.state,
+            **self.objective.state(),
         }
         latest = self.ckpt.latest_step() if cfg.checkpoint.resume else None
         if cfg.checkpoint.init_from and (latest is None or keep is not None):
@@ -197,6 +199,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.engine.optimizer_step(self.optimizer)
+            self.objective.after_step()
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
         self.state.step += 1
@@ -212,7 +215,8 @@ class Trainer:
         flops_per_unit = self.objective.flops_per_unit()
         peak = peak_flops(self.device, cfg.precision) * self.info.world_size
         old_handler = signal.signal(signal.SIGTERM, self._request_stop)
-        self._print(f"giantmodel: {cfg.model.name} ({cfg.model.num_params() / 1e6:.1f}M params) "
+        self._print(f"giantmodel: {self.objective.model_name()} "
+                    f"({self.objective.num_params() / 1e6:.1f}M params) "
                     f"on {self.info.world_size} x {self.device.type}, {self.dims.summary}, "
                     f"steps {self.state.step}->{t.steps}")
         self.metrics.start(self.state.step)
