@@ -70,21 +70,21 @@ def _state_bytes(engine, opt) -> int:
 
 def measure(overrides, steps):
     """Time ``steps`` optimizer steps (after one warm-up) in this process group."""
+    import layout_harness as H
     import torch.distributed as dist
 
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.parallel.engine import build_engine
     from giantmodel.core.precision import Precision
+    from giantmodel.distributed.parallel_dims import ParallelDims
 
     cfg = _config([o for o in overrides if o != NO_OVERLAP])
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_config(cfg, world)
     if world > 1:
         dims.build_mesh("cpu")
-    engine = build_engine(cfg, dims, torch.device("cpu"))
+    engine = H.build_engine(cfg, dims)
     opt = engine.build_optimizer(cfg.optim)
     if NO_OVERLAP in overrides:
-        engine.data_parallel.prepare_backward = lambda parts, last: None
+        engine.strategy.overlap = False  # reduce every bucket after backward
     precision = Precision("fp32", "cpu")
     mbs = _batch(cfg, engine.data_rank, engine.data_world)
     times, states = [], 0
@@ -152,5 +152,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root), str(root / "tests")]  # the layout harness lives with the tests
     main()

@@ -1,86 +1,73 @@
-"""Planner time model against a measured training step on this host (CPU).
+"""Planner time and memory model against real training steps on this host.
 
-Measures the host's matmul rate and memory bandwidth (giantmodel.planner.
-hwbench), predicts the step time of a small llama with that profile, then
-times real steps (forward, backward, AdamW) of the same model and prints
-both and their ratio. Also compares predicted activation bytes with the
-live bytes a forward leaves for backward.
+Two gloo ranks (one thread each, as the tests run them) measure the host as a
+planner profile (matmul curve, attention, memory bandwidth, the group's
+all-reduce bandwidth), then train the same small LLaMA under eight layouts
+(dp with zero 0-3, tp, tp + sp, pp, cp), timing steps and recording peak
+RSS. The planner then predicts each step time and peak RSS from the measured
+profile. Run it on a quiet host:
 
-    PYTHONPATH=. python benchmarks/planner_cpu_check.py [--json out.json]
+    /work/tools/gmlock quiet env PYTHONPATH=. python benchmarks/planner_cpu_check.py [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
 
-import torch
+from giantmodel.planner.hostcheck import HOST_CHECK_ENV, check_rank, compare
+from giantmodel.testing import run_ranks
 
-from giantmodel.config.model import ModelConfig
-from giantmodel.models import build_model
-from giantmodel.planner import hwbench
-from giantmodel.planner.hardware import profile_from_dict
-from giantmodel.planner.layout import Cluster, Layout
-from giantmodel.planner.measure import LiveStorageCounter
-from giantmodel.planner.memory import memory_report
-from giantmodel.planner.perf import estimate_time
-from giantmodel.core.loss import cross_entropy_sum
+MODEL = ["model.arch=llama", "model.hidden_size=384", "model.num_layers=4",
+         "model.num_heads=6", "model.num_kv_heads=2", "model.ffn_hidden_size=1024",
+         "model.vocab_size=8192", "model.max_seq_len=256"]
+TRAIN = ["train.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=2",
+         "precision=fp32", "optim.warmup_steps=0", "optim.grad_clip=1.0"]
+LAYOUTS = [
+    ["parallel.dp=2", "parallel.zero=0"],
+    ["parallel.dp=2", "parallel.zero=1"],
+    ["parallel.dp=2", "parallel.zero=2"],
+    ["parallel.dp=2", "parallel.zero=3"],
+    ["parallel.tp=2"],
+    ["parallel.tp=2", "parallel.sp=true"],
+    ["parallel.pp=2"],
+    ["parallel.cp=2"],
+]
+PROFILE = {"sizes": [32, 64, 128, 256, 512, 768], "mem_mb": 64, "attn_seq": 256}
+
+
+def run(model=MODEL, train=TRAIN, layouts=LAYOUTS, warmup=1, steps=3, profile=PROFILE):
+    base = list(model) + list(train)
+    per_rank = run_ranks(check_rank, 2, base, layouts, warmup, steps, profile, timeout=900,
+                         env=HOST_CHECK_ENV)
+    return compare(per_rank, base), per_rank[0]["profile"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    prof = profile_from_dict("cpu", hwbench.measure("cpu", size=1024, mem_mb=256), "measured")
-    rows = []
-    for hidden, layers, mb, seq in ((256, 4, 4, 256), (512, 4, 2, 512)):
-        m = ModelConfig(arch="llama", hidden_size=hidden, num_layers=layers, num_heads=8,
-                        num_kv_heads=4, ffn_hidden_size=3 * hidden, vocab_size=4096,
-                        max_seq_len=seq)
-        layout = Layout(tp=1, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
-                        schedule="1f1b", micro_batch=mb, n_micro=1, seq_len=seq, precision="fp32",
-                        recompute="none", offload_activations=False, offload_optimizer=False,
-                        stage_layers=(layers,))
-        pred = estimate_time(m, layout, prof, Cluster(1, 1), mb)
-        mem = memory_report(m, layout, None)
-        model = build_model(m, "cpu")
-        model.init_buffers("cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        ids = torch.randint(0, m.vocab_size, (mb, seq))
-        times = []
-        for i in range(args.steps + 1):
-            t0 = time.perf_counter()
-            live = LiveStorageCounter()
-            with live:
-                logits = model(ids)  # held through backward, as the engine does
-                loss, _ = cross_entropy_sum(logits, ids)
-            acts = live.live_bytes()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del logits, loss
-            if i:
-                times.append(time.perf_counter() - t0)
-        measured = min(times)
-        r = mem.worst.components
-        pred_acts = (r["activations"] + r["embedding_head_activations"] - mb * seq * 8)
-        row = {"model": f"llama h{hidden} L{layers} mb{mb} s{seq}", "predicted_step_s": pred.step_s,
-                   "measured_step_s": measured, "time_ratio": pred.step_s / measured,
-                   "predicted_activation_bytes": pred_acts, "measured_activation_bytes": acts,
-                   "activation_ratio": pred_acts / acts}
-        rows.append(row)
-        print(f"{row['model']:<28} step predicted {pred.step_s:.3f} s measured {measured:.3f} s "
-              f"(ratio {row['time_ratio']:.2f}); activations predicted {pred_acts / 1e6:.1f} MB "
-              f"measured {acts / 1e6:.1f} MB (ratio {row['activation_ratio']:.3f})")
-    print(f"host profile: fp32 {prof.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, memory "
-          f"{prof.memory_bw / 1e9:.1f} GB/s")
+    load = os.getloadavg()
+    rows, prof = run(steps=args.steps)
+    print(f"{'layout':<34} {'pred s':>7} {'meas s':>7} {'ratio':>6} {'pred RSS MB':>11} "
+          f"{'meas RSS MB':>11} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['layout']:<34} {r['predicted_step_s']:>7.3f} {r['measured_step_s']:>7.3f} "
+              f"{r['time_ratio']:>6.2f} {r['predicted_rss'] / 2**20:>11.1f} "
+              f"{r['measured_rss'] / 2**20:>11.1f} {r['rss_ratio']:>6.3f}")
+    print(f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, after "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("profile: fp32 matmul curve (GFLOP/s):",
+          " ".join(f"{int(n)}:{f / 1e9:.1f}" for n, f in prof["matmul_curve"]["fp32"]),
+          f"| attention {prof['attention_efficiency']:.2f} of peak | copy "
+          f"{prof['memory_bw'] / 1e9:.1f} GB/s, elementwise {prof['memory_efficiency']:.2f} | "
+          f"all-reduce {prof['intra_bw'] / 1e9:.2f} GB/s, latency {prof.get('latency_s', 0) * 1e6:.0f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"rows": rows, "profile": prof, "load_before": load}, f, indent=2)
     return 0
 
 

@@ -34,23 +34,23 @@ CONFIGS = [
 
 
 def run_one(name, arch, h, layers, heads, ffn, mb, seq, mode, hw, steps):
+    from giantmodel.core.loss import cross_entropy_sum
     from giantmodel.models import build_model, init_weights
     from giantmodel.parallel.recompute import apply_recompute
-    from giantmodel.core.loss import cross_entropy_sum
 
     m = ModelConfig(arch=arch, hidden_size=h, num_layers=layers, num_heads=heads,
                     num_kv_heads=heads // 2 if arch == "llama" else None, ffn_hidden_size=ffn,
                     vocab_size=32000, max_seq_len=seq)
     layout = Layout(tp=1, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
                     schedule="1f1b", micro_batch=mb, n_micro=1, seq_len=seq, precision="bf16",
-                    recompute=mode, offload_activations=False, offload_optimizer=False,
+                    recompute=mode, offload_activations=False,
                     stage_layers=(layers,))
     pred_mem = memory_report(m, layout, hw).peak_bytes_per_rank
     pred_t = estimate_time(m, layout, hw, Cluster(1, 1), mb).step_s
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(m, "meta")
-    apply_recompute(model, mode)
+    apply_recompute(model, {f"layers.{k}": mode for k in model.layers})
     init_weights(model, m, 0, "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, m.vocab_size, (mb, seq), device="cuda")

@@ -32,10 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from giantmodel.data.builtin import ensure_builtin_corpus, stdlib_files  # noqa: E402
-from giantmodel.data.indexed import IndexedDataset  # noqa: E402
-from giantmodel.data.preprocess import preprocess  # noqa: E402
-from giantmodel.data.tokenizer import load_tokenizer  # noqa: E402
+from giantmodel.data.builtin import ensure_builtin_corpus, stdlib_files
+from giantmodel.data.indexed import IndexedDataset
+from giantmodel.data.preprocess import preprocess
+from giantmodel.data.tokenizer import load_tokenizer
 
 
 def write_jsonl(path: Path) -> tuple[int, int]:

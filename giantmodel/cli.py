@@ -8,8 +8,18 @@ UserInputError; they are printed as a single ``error:`` line with exit status
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+
+import torch
+from torch.distributed.run import main as torchrun_main
+
+from giantmodel import __version__
+from giantmodel.comm import extension_status
+from giantmodel.config import ConfigError, JobConfig, UserInputError, load_config
+from giantmodel.train.sampling import generate_from_args
+from giantmodel.train.trainer import preflight, run_training
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -21,25 +31,18 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = False) -> None
 
 # ------------------------------------------------------------------ train
 def _cmd_train(args) -> int:
-    from giantmodel.config import load_config
-
     cfg = load_config(args.config, args.overrides)
     if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
         return _launch_local(args, cfg)
-    from giantmodel.train.trainer import run_training
-
     run_training(cfg)
     return 0
 
 
-def _launch_local(args, cfg) -> int:
+def _launch_local(args, cfg: JobConfig) -> int:
     """Spawn ``--nproc-per-node`` ranks through torch's elastic launcher,
     after validating the layout for that world size (so errors come before
     any rank starts)."""
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from torch.distributed.run import main as torchrun_main
-
-    ParallelDims.from_config(cfg, args.nproc_per_node)
+    preflight(cfg, args.nproc_per_node)
     argv = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "giantmodel", "train"]
     if args.config:
         argv += ["--config", args.config]
@@ -60,7 +63,6 @@ def _add_train(sub) -> None:
 
 # --------------------------------------------------------------- generate
 def _cmd_generate(args) -> int:
-    from giantmodel.train.sampling import generate_from_args
     print(generate_from_args(args))
     return 0
 
@@ -88,8 +90,6 @@ def _delegate(sub, name: str, help_text: str, module: str, add_fn: str, run_fn: 
     """A subcommand whose arguments and body live in ``module``. A module that
     cannot be imported (a missing optional dependency) disables only its own
     subcommand, with the reason, instead of the whole CLI."""
-    import importlib
-
     p = sub.add_parser(name, help=help_text, description=help_text)
     try:
         mod = importlib.import_module(module)
@@ -106,16 +106,10 @@ def _unavailable(name: str, reason: str) -> int:
     return 2
 
 
-def _cmd_version(args) -> int:  # noqa: ARG001
-    import torch
-
-    import giantmodel
-    import giantmodel.comm as comm
-
-    status = comm.extension_status() if hasattr(comm, "extension_status") else "unknown"
-    print(f"giantmodel {giantmodel.__version__}")
+def _cmd_version(args) -> int:
+    print(f"giantmodel {__version__}")
     print(f"torch {torch.__version__} (cuda {torch.version.cuda or 'none'})")
-    print(f"comm extension: {status}")
+    print(f"comm extension: {extension_status()}")
     return 0
 
 
@@ -162,8 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from giantmodel.config.errors import ConfigError, UserInputError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

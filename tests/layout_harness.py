@@ -80,19 +80,27 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def build_engine(cfg, dims, device="cpu"):
+    """The language-model engine for ``cfg`` on ``dims`` (mesh already built)."""
+    from giantmodel.objectives import LanguageModel
+    from giantmodel.train.trainer import build_engine as engine_for
+
+    objective = LanguageModel(cfg.model, data=cfg.data, train=cfg.train)
+    return engine_for(cfg, objective, dims, torch.device(device))
+
+
 def run_steps(cfg, steps: int = STEPS, device: str = "cpu") -> dict:
     """Train ``steps`` steps under ``cfg`` in this process group (or alone)."""
     import torch.distributed as dist
 
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.parallel.engine import build_engine
     from giantmodel.core.precision import Precision
+    from giantmodel.distributed.parallel_dims import ParallelDims
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_config(cfg, world)
     if world > 1:
         dims.build_mesh(device)
-    engine = build_engine(cfg, dims, torch.device(device))
+    engine = build_engine(cfg, dims, device)
     precision = Precision(cfg.precision, device)
     opt = engine.build_optimizer(cfg.optim)
     losses, norms = [], []

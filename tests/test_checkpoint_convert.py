@@ -20,8 +20,6 @@ from giantmodel.config.train import CheckpointConfig
 from giantmodel.models import build_model, init_weights
 
 
-
-
 def run_convert(*argv) -> int:
     parser = argparse.ArgumentParser(prog="giantmodel convert")
     add_arguments(parser)

@@ -119,9 +119,10 @@ def test_train_then_generate_from_the_run(tmp_path, capsys):
     assert "step 4 val_loss" in out
     assert (run / "checkpoints" / "latest").is_file()
     # Synthetic data has no tokenizer: sample with a tiny SentencePiece model.
-    from giantmodel.data.tokenizer import train_sentencepiece
     import inspect
     import json
+
+    from giantmodel.data.tokenizer import train_sentencepiece
     train_sentencepiece(inspect.getsource(json.decoder).splitlines(), tmp_path / "sp", vocab_size=400)
     assert main(["generate", "--run-dir", str(run), "--tokenizer", str(tmp_path / "sp.model"),
                  "--prompt", "def", "--max-new-tokens", "8"]) == 0

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from giantmodel.config.data import DataConfig
 from giantmodel.data import builtin
 from giantmodel.data.build import build_loaders, build_tokenizer, vocab_size_of
-from giantmodel.config.data import DataConfig
 from giantmodel.data.indexed import IndexedDataset
 
 SMALL = dict(vocab_size=400, max_bytes=150_000, valid_every=10, progress=False, workers=1)

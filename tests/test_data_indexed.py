@@ -7,11 +7,10 @@ import struct
 import numpy as np
 import pytest
 
-from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.config.data import DataConfig
+from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.data.checks import check_data
-from giantmodel.data.indexed import (IndexedDataset, IndexedDatasetWriter, read_index_header,
-                                     token_dtype)
+from giantmodel.data.indexed import IndexedDataset, IndexedDatasetWriter, read_index_header, token_dtype
 
 DOCS = [[5, 6, 7, 2], [9, 2], [1, 2, 3, 4, 5, 2]]
 

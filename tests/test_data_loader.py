@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.data.build import build_loaders, build_samples, vocab_size_of
-from giantmodel.config.data import DataConfig
 from giantmodel.data.indexed import IndexedDatasetWriter
 from giantmodel.data.loader import TrainLoader
 from giantmodel.data.samples import BlendedSamples, PackedTokens, SyntheticSamples

@@ -7,7 +7,6 @@ import time
 
 import layout_harness as H
 import pytest
-import torch
 
 from giantmodel.testing import run_ranks
 
@@ -17,14 +16,13 @@ TIMEOUT_S = 3.0
 def _train_until_peer_fails(rank, world, mode):
     import torch.distributed as dist
 
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.parallel.engine import build_engine
     from giantmodel.core.precision import Precision
+    from giantmodel.distributed.parallel_dims import ParallelDims
 
     cfg = H.make_config("llama", ["parallel.dp=1", "parallel.tp=2", f"parallel.timeout_s={TIMEOUT_S}"])
     dims = ParallelDims.from_config(cfg, world)
     dims.build_mesh("cpu")
-    engine = build_engine(cfg, dims, torch.device("cpu"))
+    engine = H.build_engine(cfg, dims)
     precision = Precision("fp32", "cpu")
     mbs = H.local_microbatches(cfg, 0, engine.data_rank, engine.data_world)
     engine.forward_backward(mbs, precision)  # one healthy step together

@@ -18,6 +18,8 @@ TWO_RANKS = [
     ("llama", ["parallel.dp=2", "parallel.zero=1"]),
     ("llama", ["parallel.dp=2", "parallel.zero=2"]),
     ("llama", ["parallel.dp=2", "parallel.zero=3"]),
+    # small buckets: several reduce-scatters in flight, owners per bucket
+    ("llama", ["parallel.dp=2", "parallel.zero=2", "parallel.bucket_mb=0.05"]),
     ("llama", ["parallel.tp=2"]),
     ("llama", ["parallel.tp=2", "parallel.sp=true"]),
     ("llama", ["parallel.cp=2"]),

@@ -9,9 +9,9 @@ import layout_harness as H
 import pytest
 import torch
 
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.offload import ActivationOffload
-from giantmodel.core.loss import cross_entropy_sum
 
 
 def _grads(offload_prefetch: int | None):

@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.core.pipeline_split import (
     balanced_split,
     check_pipeline_placement,
     head_cost,
     layer_cost,
     layers_per_stage,
+    plan_pipeline,
     stage_ids_for_rank,
     stage_owner,
-    plan_pipeline,
 )
+from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.testing import run_ranks
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]
@@ -57,20 +57,19 @@ def _merge_tied_copies(result: dict, label: str) -> None:
 # ----------------------------------------------------------- stage layout
 def stage_layout(rank: int, world: int, cases: list) -> list:
     """Which stages and parameters each rank holds, and eval under pp."""
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.parallel.engine import build_engine
     from giantmodel.core.precision import Precision
+    from giantmodel.distributed.parallel_dims import ParallelDims
 
     out = []
     for arch, overrides in cases:
         cfg = H.make_config(arch, overrides)
         dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh("cpu")
-        engine = build_engine(cfg, dims, torch.device("cpu"))
+        engine = H.build_engine(cfg, dims)
         names = [sorted(n for n, _ in part.named_parameters()) for part in engine.parts]
         batches = H.local_microbatches(cfg, 11, engine.data_rank, engine.data_world)
         val = engine.eval_loss(batches, Precision("fp32", "cpu"))
-        out.append({"stages": engine.stage_ids, "counts": engine.layer_counts,
+        out.append({"stages": engine.runner.stage_ids, "counts": list(dims.pipeline.layer_counts),
                     "names": names, "eval": val})
     return out
 
@@ -80,12 +79,11 @@ def _layers(names: list[str]) -> set[int]:
 
 
 def reference_eval(arch: str) -> float:
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.parallel.engine import build_engine
     from giantmodel.core.precision import Precision
+    from giantmodel.distributed.parallel_dims import ParallelDims
 
     cfg = H.make_config(arch, [])
-    engine = build_engine(cfg, ParallelDims(world_size=1), torch.device("cpu"))
+    engine = H.build_engine(cfg, ParallelDims(world_size=1))
     return engine.eval_loss(H.local_microbatches(cfg, 11, 0, 1), Precision("fp32", "cpu"))
 
 
@@ -244,14 +242,13 @@ def _train_with_stuck_peer(rank: int, world: int) -> dict | None:
     must fail within ``parallel.timeout_s``, not wait for it."""
     import time
 
-    from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.parallel.engine import build_engine
     from giantmodel.core.precision import Precision
+    from giantmodel.distributed.parallel_dims import ParallelDims
 
     cfg = H.make_config("llama", _pp("1f1b", 1, f"parallel.timeout_s={FAULT_TIMEOUT_S}"))
     dims = ParallelDims.from_config(cfg, world)
     dims.build_mesh("cpu")
-    engine = build_engine(cfg, dims, torch.device("cpu"))
+    engine = H.build_engine(cfg, dims)
     precision = Precision("fp32", "cpu")
     mbs = H.local_microbatches(cfg, 0, engine.data_rank, engine.data_world)
     engine.forward_backward(mbs, precision)

@@ -1,6 +1,7 @@
 """Recompute modes keep the math and recompute what they say: full reruns
 every block's forward (matmuls included) in backward, selective reruns the
-attention core and the activations but none of the matmuls."""
+norms, casts and activations but neither the matmuls nor the attention core;
+a per-block list mixes the modes block by block."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model, init_weights
 from giantmodel.parallel.recompute import apply_recompute
-from giantmodel.core.loss import cross_entropy_sum
 
 
 class _OpCounter(TorchDispatchMode):
@@ -26,10 +27,11 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops_and_grads(arch: str, mode: str):
+def _backward_ops_and_grads(arch: str, mode: str, layers: list[str] | None = None):
     cfg = H.make_config(arch, [f"recompute={mode}", "train.seq_len=32"])
     model = build_model(cfg.model, "meta")
-    apply_recompute(model, cfg.recompute)
+    modes = layers if layers is not None else [cfg.recompute] * len(model.layers)
+    apply_recompute(model, {f"layers.{k}": modes[int(k)] for k in model.layers})
     init_weights(model, cfg.model, seed=3, device="cpu")
     ids, labels = H.global_batch(cfg, 0)
     loss, n = cross_entropy_sum(model(ids), labels)
@@ -47,14 +49,24 @@ def test_recompute_modes_same_grads(arch):
     full_ops, full = _backward_ops_and_grads(arch, "full")
     layers = H.make_config(arch, []).model.num_layers
     sdpa = [k for k in none_ops | full_ops if k.startswith("_scaled_dot_product") and "backward" not in k]
-    fwd_attn = lambda c: sum(c[k] for k in sdpa)
-    # the attention core runs again in backward, once per layer, in both modes
-    assert fwd_attn(none_ops) == 0
-    assert fwd_attn(sel_ops) == layers and fwd_attn(full_ops) == layers
+    def fwd_attn(c):
+        return sum(c[k] for k in sdpa)
+    # the attention core runs again in backward only under full recompute
+    assert fwd_attn(none_ops) == 0 and fwd_attn(sel_ops) == 0
+    assert fwd_attn(full_ops) == layers
     # matmuls: selective keeps them, full recomputes the blocks' projections
-    mm = lambda c: c["mm"] + c["addmm"] + c["bmm"]
+    def mm(c):
+        return c["mm"] + c["addmm"] + c["bmm"]
     assert mm(sel_ops) == mm(none_ops) < mm(full_ops)
-    for grads in (sel, full):
+    # selective does recompute something: the norms (rsqrt / layer norm)
+    def norm(c):
+        return c["rsqrt"] + c["native_layer_norm"]
+    assert norm(none_ops) == 0 < norm(sel_ops)
+    # a per-block mix: one block full, one selective, the rest as they are
+    mixed = ["full", "selective"] + ["none"] * (layers - 2)
+    mix_ops, mix = _backward_ops_and_grads(arch, "none", mixed)
+    assert fwd_attn(mix_ops) == 1 and mm(none_ops) < mm(mix_ops) < mm(full_ops)
+    for grads in (sel, full, mix):
         for name, g in ref.items():
             key = next(k for k in grads if k.replace("._checkpoint_wrapped_module", "") == name)
             torch.testing.assert_close(grads[key], g, rtol=1e-5, atol=1e-7)

@@ -7,8 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.core.layout import validate_placement
+from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.testing import run_ranks
 
 BAD = [

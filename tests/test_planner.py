@@ -82,6 +82,10 @@ def test_estimate_rejects_layout_that_cannot_divide_the_model():
                                                  "parallel.tp=3", *LLAMA_13B]))
     with pytest.raises(ConfigError, match="unknown GPU 'b200'"):
         commands.run_estimate(_args("estimate", ["--gpu", "b200"]))
+    with pytest.raises(ConfigError, match="plan needs the hardware"):
+        commands.run_plan(_args("plan", LLAMA_13B))
+    with pytest.raises(ConfigError, match="either --gpu or --profile"):
+        commands.run_plan(_args("plan", ["--gpu", "a100-80g", "--profile", "x.yaml"]))
 
 
 @pytest.mark.timeout(60)
@@ -107,8 +111,22 @@ def test_plan_llama_13b_two_nodes_fast_and_fits(tmp_path, capsys):
     # the written YAML loads with the trainer's loader and has the best layout
     cfg = load_config(out, validate=False)
     assert cfg.parallel.tp == best["layout"]["tp"] and cfg.recompute == best["layout"]["recompute"]
+    from dataclasses import asdict
+
     from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.planner.layout import resolve_layout
     assert ParallelDims.from_config(cfg, 16).world_size == 16
+    # every planned field comes back from the YAML; a pipelined candidate's too
+    def fields(layout):
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(layout).items()}
+
+    assert fields(resolve_layout(cfg, Cluster(2, 8))) == {
+        k: v for k, v in best["layout"].items() if k not in ("dp_replicate", "world")}
+    from giantmodel.planner.search import apply_layout, search
+    base = commands.load_for_planning(None, LLAMA_13B)
+    piped = next(c.layout for c in search(base, get_profile("a100-80g"), Cluster(2, 8))
+                 if c.layout.pp > 1 and c.layout.virtual > 1)
+    assert fields(resolve_layout(apply_layout(base, piped), Cluster(2, 8))) == fields(piped)
     assert elapsed < 10, f"plan took {elapsed:.1f} s"
 
 
@@ -181,20 +199,122 @@ def test_layer_recompute_plan_is_least_that_fits():
     assert any(0 < p["plan"]["none"] < p["layers"] for p in plans)
 
 
-def test_hwbench_writes_a_profile_the_planner_reads(tmp_path):
-    from giantmodel.planner import hwbench
+def test_hwbench_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsys):
+    from giantmodel.planner import hardware, hwbench
     from giantmodel.planner.hardware import load_profile_file
+    from giantmodel.planner.perf import matmul_rate
 
     p = argparse.ArgumentParser()
     hwbench.add_arguments(p)
     out = tmp_path / "host.yaml"
-    assert hwbench.main(p.parse_args(["--size", "128", "--mem-mb", "8", "--name", "host",
-                                      "--out", str(out)])) == 0
+    assert hwbench.main(p.parse_args(["--sizes", "16,64", "--mem-mb", "8", "--attn-seq", "64",
+                                      "--name", "host", "--out", str(out)])) == 0
     prof = load_profile_file(out)["host"]
-    assert prof.peak_flops["fp32"] > 1e8 and prof.memory_bw > 1e8
+    curve = prof.matmul_curve["fp32"]
+    assert [n for n, _ in curve] == [16.0, 64.0] and curve[0][1] <= curve[1][1]
+    assert prof.peak_flops["fp32"] == curve[-1][1] and prof.memory_bw > 1e8
+    assert 0 < prof.attention_efficiency <= 1 and 0 < prof.memory_efficiency <= 1
+    # the curve is what GEMMs get: interpolated between sizes, capped above
+    assert matmul_rate(prof, "fp32", 16, 16, 16) == pytest.approx(curve[0][1])
+    assert curve[0][1] <= matmul_rate(prof, "fp32", 32, 32, 32) <= curve[1][1]
+    assert matmul_rate(prof, "fp32", 4096, 4096, 4096) == curve[-1][1]
+    # --profile FILE and --gpu measured both plan with it
     assert get_profile("host", out).memory_bytes > 0
+    capsys.readouterr()
+    rc = commands.run_estimate(_args("estimate", ["--profile", str(out), "--json"]))
+    assert rc == 0 and json.loads(capsys.readouterr().out)["gpu"] == "host"
+    monkeypatch.setattr(hardware, "MEASURED_PROFILE_FILE", tmp_path / "none.yaml")
+    with pytest.raises(ConfigError, match="run `giantmodel bench hw` first"):
+        get_profile("measured")
+    monkeypatch.setattr(hardware, "MEASURED_PROFILE_FILE", out)
+    assert get_profile("measured").name == "host"
     with pytest.raises(ConfigError, match="--device must be cpu or cuda"):
         hwbench.main(p.parse_args(["--device", "tpu"]))
+    with pytest.raises(ConfigError, match="--sizes must increase"):
+        hwbench.main(p.parse_args(["--sizes", "64,16"]))
+
+
+def test_selective_keeps_less_than_none():
+    """The issue's case: a GPT-3-175B-shaped layer at tp 8 with sp, micro-batch 1
+    (selective used to keep more than none), and the tiny shapes of the tests."""
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.memory import layer_activation_bytes
+
+    gpt3 = ModelConfig(arch="gpt", hidden_size=12288, num_layers=96, num_heads=96,
+                       ffn_hidden_size=4 * 12288, vocab_size=51200, max_seq_len=2048)
+    llama = ModelConfig(arch="llama", hidden_size=8192, num_layers=80, num_heads=64,
+                        num_kv_heads=8, ffn_hidden_size=28672, max_seq_len=4096)
+    for m, seq in ((gpt3, 2048), (llama, 4096)):
+        for prec in ("fp32", "bf16"):
+            for tp, sp, cp in ((1, False, 1), (8, False, 1), (8, True, 1), (2, True, 2)):
+                b = {mode: sum(layer_activation_bytes(m, prec, mode, 1, seq, tp, sp, cp).values())
+                     for mode in ("none", "selective", "full")}
+                assert b["none"] > b["selective"] > b["full"], (m.arch, prec, tp, sp, cp, b)
+
+
+def test_recompute_layers_config_checks():
+    from giantmodel.config import load_config
+
+    cfg = load_config(overrides=["model.num_layers=3", "recompute_layers=[full,none,selective]"])
+    assert cfg.recompute_layers == ["full", "none", "selective"]
+    with pytest.raises(ConfigError, match="recompute_layers.*3 entries.*num_layers is 2"):
+        load_config(overrides=["model.num_layers=2", "recompute_layers=[full,none,none]"])
+    with pytest.raises(ConfigError, match="recompute_layers"):
+        load_config(overrides=["model.num_layers=1", "recompute_layers=[some]"])
+
+
+@pytest.mark.timeout(120)
+def test_plan_writes_every_choice_and_the_yaml_runs(tmp_path, capsys):
+    """A memory-tight plan picks a per-block recompute mix; the YAML it
+    writes resolves to exactly the planned layout and trains a step."""
+    from dataclasses import asdict
+
+    import torch
+
+    from giantmodel.config import load_config
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.planner.commands import load_for_planning
+    from giantmodel.planner.hardware import profile_to_dict
+    from giantmodel.planner.layout import resolve_layout
+    from giantmodel.planner.search import search
+
+    tiny = ["model.arch=llama", "model.hidden_size=128", "model.num_layers=4",
+            "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=256",
+            "model.vocab_size=512", "model.max_seq_len=256", "train.seq_len=256",
+            "train.global_batch_size=1", "train.micro_batch_size=1", "precision=fp32"]
+    cfg = load_for_planning(None, tiny)
+    hw = get_profile("cpu")
+    # room for the model states and about two blocks' activations: a mix must fit
+    layout = resolve_layout(cfg, Cluster(1, 1))
+    full = memory_report(cfg.model, layout, hw)
+    acts = full.worst.components["activations"]
+    hw.memory_bytes = full.worst.required - acts * 0.55
+    hw.reserved_bytes = full.worst.components["reserved"]
+    prof = tmp_path / "tight.yaml"
+    prof.write_text(yaml.safe_dump({"tight": profile_to_dict(hw)}))
+    out = tmp_path / "plan.yaml"
+    assert commands.run_plan(_args("plan", ["--profile", str(prof), "--nodes", "1",
+                                            "--gpus-per-node", "1", "--out", str(out), "--json",
+                                            *tiny])) == 0
+    best = json.loads(capsys.readouterr().out)["top"][0]["layout"]
+    assert best["recompute_layers"] is not None and len(set(best["recompute_layers"])) > 1
+    written = load_config(out, validate=False)
+    again = resolve_layout(written, Cluster(1, 1))
+    assert {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(again).items()} == {
+        k: v for k, v in best.items() if k not in ("dp_replicate", "world")}
+    top = search(cfg, get_profile("tight", prof), Cluster(1, 1))[0]
+    assert memory_report(cfg.model, top.layout, get_profile("tight", prof)).fits
+    # and it trains: the per-block modes are applied by the engine
+    import layout_harness as H
+
+    from giantmodel.core.precision import Precision
+
+    engine = H.build_engine(written, ParallelDims.from_config(written, 1))
+    wrapped = [type(b).__name__ for b in engine.parts[0].layers.values()]
+    assert wrapped.count("CheckpointWrapper") == sum(m != "none" for m in written.recompute_layers)
+    ids = torch.randint(0, 512, (1, 256))
+    loss = engine.forward_backward([{"input_ids": ids, "labels": ids}], Precision("fp32", "cpu"))
+    assert loss > 0
 
 
 def test_zero_paper_memory_example():

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from giantmodel.config.model import ModelConfig
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model
 from giantmodel.parallel.recompute import apply_recompute
 from giantmodel.planner.layout import Layout
 from giantmodel.planner.measure import LiveStorageCounter, SavedTensorCounter
 from giantmodel.planner.memory import DTYPE_BYTES, layer_activation_bytes, rank_memory
-from giantmodel.core.loss import cross_entropy_sum
 
 B, T = 2, 128
 
@@ -50,7 +50,7 @@ def autocast(precision: str):
 def single_layout(m: ModelConfig, precision: str, mode: str, tp: int = 1) -> Layout:
     return Layout(tp=tp, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
                   schedule="1f1b", micro_batch=B, n_micro=1, seq_len=T, precision=precision,
-                  recompute=mode, offload_activations=False, offload_optimizer=False,
+                  recompute=mode, offload_activations=False,
                   stage_layers=(m.num_layers,))
 
 
@@ -72,7 +72,7 @@ def _build(m: ModelConfig):
 
 def measure_model(m: ModelConfig, precision: str, mode: str) -> tuple[int, int]:
     model = _build(m)
-    apply_recompute(model, mode)
+    apply_recompute(model, {f"layers.{k}": mode for k in model.layers})
     ids = torch.randint(0, m.vocab_size, (B, T))
     live = LiveStorageCounter()
     with SavedTensorCounter(exclude=tuple(model.parameters())) as saved, live, autocast(precision):

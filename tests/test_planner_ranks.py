@@ -14,7 +14,6 @@ import torch
 from test_planner_activations import B, T, autocast, tiny
 
 from giantmodel.config.model import ModelConfig
-from giantmodel.models import build_model, init_weights
 from giantmodel.planner.measure import LiveStorageCounter
 from giantmodel.planner.memory import DTYPE_BYTES, layer_activation_bytes
 from giantmodel.testing import run_ranks
@@ -54,41 +53,43 @@ def rank_results():
 
 
 def _states(rank, world, layouts):
+    """Model-state bytes of the real engine after one step: what its
+    strategy allocates for parameters and gradients, and AdamW's moments."""
+    import layout_harness as H
+
     from giantmodel.config.schema import JobConfig
+    from giantmodel.core.precision import Precision
     from giantmodel.distributed.parallel_dims import ParallelDims
-    from giantmodel.models import build_model, init_weights
-    from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
-    from giantmodel.parallel.data import DataParallel
 
     out = []
     for zero, tp in layouts:
         cfg = JobConfig(model=_model_cfg())
         cfg.parallel.zero, cfg.parallel.tp = zero, tp
-        cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.seq_len = 8, 1, 16
+        cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.seq_len = 8, 2, 16
         dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh("cpu")
-        model = parallelize_chunk(build_model(cfg.model, "meta"), dims, cfg)
-        init_weights(model, cfg.model, 0, "cpu")
-        dp = DataParallel(dims, cfg)
-        opt = dp.build_optimizer([model], cfg.optim, "cpu")
-        ids = torch.randint(0, cfg.model.vocab_size, (1, 16),
+        engine = H.build_engine(cfg, dims)
+        opt = engine.build_optimizer(cfg.optim)
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 17),
                             generator=torch.Generator().manual_seed(rank // tp))
-        with loss_context(dims):
-            loss, _ = loss_fn(model(ids), ids)
-            loss.backward()
-        dp.reduce_gradients([model])
-        opt.step()
-        dp.after_step()
-        params = {id(p): p for p in model.parameters()}.values()
+        engine.forward_backward([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}],
+                                Precision("fp32", "cpu"))
+        params = list(engine.parameters())
+        flat = engine.strategy.buffer_bytes() if hasattr(engine.strategy, "buffer_bytes") else {}
+        grads = flat.get("grads") or _nbytes(p.grad for p in params if p.grad is not None)
+        engine.optimizer_step(opt)
         moments = [v for st in opt.state.values() for k, v in st.items()
                    if k in ("exp_avg", "exp_avg_sq")]
-        out.append({"params": _nbytes(params), "grads": _nbytes(p.grad for p in params),
-                    "optimizer": _nbytes(moments), "dp_rank": dims.coordinate("dp")})
+        out.append({"params": flat.get("params") or _nbytes(params), "grads": grads,
+                    "optimizer": _nbytes(moments), "dp_rank": dims.coordinate("dp"),
+                    "strategy": type(engine.strategy).__name__})
+        dims.destroy_mesh()
     return out
 
 
 @pytest.mark.timeout(180)
 def test_model_states_match_parallel_code_exactly(rank_results):
+    from giantmodel.parallel.strategy import strategy_name
     from giantmodel.planner.memory import model_state_bytes, param_table, stage_params
 
     m = _model_cfg()
@@ -98,7 +99,9 @@ def test_model_states_match_parallel_code_exactly(rank_results):
         shapes = stage_params(table, 0, 1, m.num_layers, tp)
         for rank, results in enumerate(per_rank):
             got = results[i]
-            want = model_state_bytes(shapes, zero, 4 // tp, "autocast", got["dp_rank"])
+            strategy = strategy_name(zero=zero, dp_cp=4 // tp, hybrid=False, pp=1)
+            want = model_state_bytes(shapes, zero, 4 // tp, "autocast", got["dp_rank"],
+                                     strategy=strategy)
             assert {k: got[k] for k in want} == want, (zero, tp, rank, got, want)
 
 
@@ -106,25 +109,31 @@ def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> i
     """Bytes the forward + loss leave alive on this rank (tp, or cp inputs
     cut the way the engine cuts them)."""
     from giantmodel.config.schema import JobConfig
-    from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
+    from giantmodel.objectives import LanguageModel
     from giantmodel.parallel.context import balanced_positions, shard_sequence
+    from giantmodel.parallel.objective import StageSpec
+    from giantmodel.parallel.parallelize import parallelize
+    from giantmodel.parallel.strategy import NoDataParallel
+    from giantmodel.parallel.tensor import vocab_parallel_cross_entropy
 
     cfg = JobConfig(model=m, recompute=mode)
-    cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.cp = dims.tp, sp, dims.cp
-    model = parallelize_chunk(build_model(m, "meta"), dims, cfg)
-    init_weights(model, m, 0, "cpu")
+    objective = LanguageModel(m, data=cfg.data, train=cfg.train)
+    model = objective.build(StageSpec())
+    parallelize(model, objective, dims, NoDataParallel(dims), sp=sp, recompute=mode,
+                offload=cfg.offload, compile=False)
+    objective.init_weights(model, torch.device("cpu"))
     ids = torch.randint(0, m.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     positions = None
     if dims.cp > 1:
         rank = dims.coordinate("cp")
         ids, positions = shard_sequence(ids, dims.cp, rank), balanced_positions(T, dims.cp, rank)
     live = LiveStorageCounter()
-    with live, loss_context(dims):
+    with live, objective.loss_context():
         with autocast(prec):
             logits = model(ids, positions)
-        loss, _ = loss_fn(logits, ids)
+        loss, _ = vocab_parallel_cross_entropy(logits, ids)
     net = live.live_bytes()
-    with loss_context(dims):
+    with objective.loss_context():
         loss.backward()
     return net
 

@@ -11,8 +11,13 @@ import pytest
 
 from giantmodel.config.errors import UserInputError
 from giantmodel.data.commands import add_tokenizer_arguments, run_tokenizer
-from giantmodel.data.tokenizer import (HFTokenizer, SentencePieceTokenizer, Tokenizer,
-                                       load_tokenizer, train_sentencepiece)
+from giantmodel.data.tokenizer import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_sentencepiece,
+)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SAMPLE = 'def f(x):\n\tif x:\n        return "héllo  wörld" + str(42)\n\n# done ✓\n'

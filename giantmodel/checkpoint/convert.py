@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 import yaml
 
+from giantmodel.checkpoint.layout import resolve_checkpoint_dir
+from giantmodel.checkpoint.manager import CheckpointManager
+from giantmodel.checkpoint.state import ModelState
+from giantmodel.checkpoint.weights import is_hf_dir, load_model_from_checkpoint, read_model_config
 from giantmodel.config.errors import UserInputError
+from giantmodel.config.loader import to_dict
+from giantmodel.config.train import CheckpointConfig
+from giantmodel.models.hf import from_hf, to_hf
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,9 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def to_hf_dir(src: str | Path, dst: str | Path, step: int | None = None,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 10**9) -> Path:
-    from giantmodel.checkpoint.layout import resolve_checkpoint_dir
-    from giantmodel.checkpoint.weights import load_model_from_checkpoint, read_model_config
-    from giantmodel.models.hf import to_hf
 
     step_dir = resolve_checkpoint_dir(src, step)
     cfg = read_model_config(step_dir)
@@ -61,11 +65,6 @@ def to_hf_dir(src: str | Path, dst: str | Path, step: int | None = None,
 
 def to_giantmodel_dir(src: str | Path, dst: str | Path,
                       dtype: torch.dtype | None = None) -> Path:
-    from giantmodel.checkpoint.manager import CheckpointManager
-    from giantmodel.checkpoint.state import ModelState
-    from giantmodel.config.loader import to_dict
-    from giantmodel.config.train import CheckpointConfig
-    from giantmodel.models.hf import from_hf
 
     dst = Path(dst)
     if (dst / "checkpoints").exists() or (dst / "config.yaml").exists():
@@ -81,7 +80,6 @@ def to_giantmodel_dir(src: str | Path, dst: str | Path,
 
 
 def main(args: argparse.Namespace) -> int:
-    from giantmodel.checkpoint.weights import is_hf_dir
 
     src = Path(args.src)
     if not src.exists():

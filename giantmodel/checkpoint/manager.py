@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from giantmodel.checkpoint import layout
 from giantmodel.checkpoint.state import ModelState, is_per_rank, model_config_of
 from giantmodel.config.errors import UserInputError
+from giantmodel.config.loader import to_dict
 from giantmodel.config.train import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,6 @@ class CheckpointManager:
             os.fsync(fh.fileno())
 
     def _meta(self, step: int, state: dict[str, Any], dcp_state: dict, per_rank: dict) -> dict:
-        from giantmodel.config.loader import to_dict
 
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -268,7 +268,7 @@ class CheckpointManager:
         if dcp_state:
             try:
                 dcp_load(dcp_state, path, self.pg)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
+            except (Exception, CheckpointException) as e:
                 raise UserInputError(
                     f"cannot load {path} into this run's state ({', '.join(sorted(dcp_state))}): "
                     f"{dcp_error_message(e)}. If the config changed, use a new run.dir or set "

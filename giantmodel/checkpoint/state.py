@@ -149,6 +149,7 @@ class OptimizerState:
         out: dict[str, Any] = {}
         self._aliases = []
         for module, optim in self._pairs:
+            _materialize_state(optim)
             sd = get_optimizer_state_dict(module, optim, options=_OPTIM_OPTIONS)
             added: set[str] = set()
             for names in _tied_aliases(module):
@@ -175,6 +176,35 @@ class OptimizerState:
             prefixes = tuple(f"{sec}.{a}." for a in added for sec in ("state", "param_groups"))
             own = {k: v for k, v in state.items() if not (prefixes and k.startswith(prefixes))}
             set_optimizer_state_dict(module, optim, own, options=_OPTIM_OPTIONS)
+
+
+@torch.no_grad()
+def _materialize_state(optim: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state if it has none yet, so that a checkpoint
+    load has tensors to fill. torch does this only when no parameter has a
+    gradient, and gradients that are views of a flat buffer always exist; so
+    here the gradients are set aside, a zero-gradient step at lr 0 creates
+    the state, its step counters go back to 0 -- the same as no state at all
+    for the next real step -- and the gradients come back."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    saved = [p.grad for p in params]
+    lrs = [g["lr"] for g in optim.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optim.param_groups:
+        g["lr"] = 0.0
+    optim.step()
+    for st in optim.state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"].zero_()
+        elif "step" in st:
+            st["step"] = 0
+    for g, lr in zip(optim.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p, grad in zip(params, saved, strict=True):
+        p.grad = grad
 
 
 class PerRank:

@@ -16,7 +16,10 @@ from giantmodel.checkpoint import layout
 from giantmodel.checkpoint.manager import dcp_error_message, dcp_load
 from giantmodel.checkpoint.state import ModelState
 from giantmodel.config.errors import UserInputError
+from giantmodel.config.loader import from_dict
 from giantmodel.config.model import ModelConfig
+from giantmodel.models.hf import from_hf, load_hf_into
+from giantmodel.models.registry import build_model
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -33,7 +36,6 @@ def load_model_weights(parts: nn.Module | list[nn.Module], path: str | os.PathLi
     directory read. Under a process group every rank must call this."""
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     if is_hf_dir(path):
-        from giantmodel.models.hf import load_hf_into
         load_hf_into(parts, path)
         return Path(path)
     step_dir = layout.resolve_checkpoint_dir(path)
@@ -49,7 +51,6 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a giantmodel checkpoint: from the run's
     ``config.yaml`` (``run.dir/config.yaml``, two levels above a step
     directory), else from the checkpoint's own ``meta.json``."""
-    from giantmodel.config.loader import from_dict
 
     step_dir = layout.resolve_checkpoint_dir(path)
     for candidate in (step_dir.parent.parent / "config.yaml", step_dir / "config.yaml"):
@@ -68,10 +69,8 @@ def load_model_from_checkpoint(path: str | os.PathLike, device: str | torch.devi
                                dtype: torch.dtype | None = None) -> nn.Module:
     """A whole model built from a checkpoint's config and weights (one
     process, no process group), in eval mode, carrying ``model.cfg``."""
-    from giantmodel.models.registry import build_model
 
     if is_hf_dir(path):
-        from giantmodel.models.hf import from_hf
         return from_hf(path, device=device, dtype=dtype)
     cfg = read_model_config(path)
     model = build_model(cfg, device="meta")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from giantmodel.comm.backend import GiantProcessGroup
 from giantmodel.config.comm import CommConfig
 
 DEFAULT_BUCKET_MB = 25.0
@@ -108,7 +109,6 @@ def _share(group, result: TuneResult | None) -> TuneResult:
 
 def measure(group, grad_bytes: int, reps: int = 3) -> TuneResult:
     """Time each candidate on ``group`` and return the winner (same on all ranks)."""
-    from giantmodel.comm.backend import GiantProcessGroup
 
     total = max(1024, min(grad_bytes, 256 << 20) // 4)  # cap tuning cost on huge models
     res = TuneResult()
@@ -174,7 +174,6 @@ def tune(group, cfg: CommConfig, model_name: str, n_params: int,
 
 
 def _apply(group, result: TuneResult) -> None:
-    from giantmodel.comm.backend import GiantProcessGroup
 
     if isinstance(group, GiantProcessGroup) and result.chunk_kb:
         group.reconfigure(chunk_bytes=result.chunk_kb * 1024, hierarchical=result.hierarchical)

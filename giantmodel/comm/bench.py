@@ -25,6 +25,10 @@ import json
 import os
 import time
 
+from giantmodel import comm
+from giantmodel.comm import _lib
+from giantmodel.testing import run_ranks
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -124,7 +128,6 @@ def _bench_ranks(rank: int, world: int, spec: dict) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from giantmodel import comm
 
     comm.register_backend()
     dtype = getattr(torch, spec["dtype"])
@@ -166,7 +169,6 @@ def memory_bound_busbw(op: str, world: int, mem_gbps: float) -> float:
 
 
 def stream_bandwidth() -> dict:
-    from giantmodel.comm import _lib
 
     lib = _lib.load()
     if lib is None:
@@ -215,7 +217,6 @@ def format_table(rows: list[dict], mem: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from giantmodel.testing import run_ranks
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]

@@ -32,7 +32,7 @@ from giantmodel.comm.shm import CommError, ShmGroup
 Job = Callable[[], object]
 
 
-class Engine:
+class CollectiveEngine:
     """Runs jobs for one process group on a daemon thread."""
 
     def __init__(self, name: str, sched: ShmGroup | None = None, leader: bool = True):

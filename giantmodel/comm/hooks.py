@@ -14,11 +14,12 @@ queued higher-priority all-reduce before lower ones. Register with::
 import torch
 import torch.distributed as dist
 
+from giantmodel.comm.backend import GiantProcessGroup
+
 
 def priority_allreduce_hook(group, bucket: dist.GradBucket
                             ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients with priority = bucket index."""
-    from giantmodel.comm.backend import GiantProcessGroup
 
     buf = bucket.buffer()
     opts = dist.AllreduceOptions()

@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from giantmodel.config.comm import CommConfig
+from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
-from giantmodel.config.train import (CheckpointConfig, OffloadConfig, OptimConfig,
-                                     RunConfig, TrainConfig)
-from giantmodel.config.data import DataConfig
+from giantmodel.config.train import CheckpointConfig, OffloadConfig, OptimConfig, RunConfig, TrainConfig
 
 
 @dataclass
@@ -19,6 +18,8 @@ class JobConfig:
     """One training job. Its defaults are the embedded default run: a tiny
     LLaMA trained on the Python standard library's sources, on the CPU."""
 
+    objective: Literal["lm"] = "lm"
+    """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and supervised fine-tuning)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture and shape."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -28,7 +29,9 @@ class JobConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: fp32; bf16 autocast with fp32 master weights; fp16 autocast with dynamic loss scaling."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none; selective (attention core and MLP activation); full (whole blocks)."""
+    """Activation recomputation: none; selective (keep matmul, attention and reduced outputs, recompute norms, casts, rotary, activations and gathers); full (whole blocks)."""
+    recompute_layers: list[Literal["none", "selective", "full"]] | None = None
+    """Per-block recompute, one mode per model layer (block i takes entry i); overrides ``recompute`` when set. ``giantmodel plan`` writes it when recomputing some blocks is enough to fit."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Data, ZeRO, tensor, sequence, pipeline and context parallelism."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -56,5 +59,11 @@ class JobConfig:
                 f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
                 f"{self.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len",
                 "train.seq_len")
+        if (self.recompute_layers is not None
+                and len(self.recompute_layers) != self.model.num_layers):
+            raise ConfigError(
+                f"has {len(self.recompute_layers)} entries but model.num_layers is "
+                f"{self.model.num_layers}; give one mode per layer, or null to use recompute",
+                "recompute_layers")
         if self.offload.prefetch_layers < 0:
             raise ConfigError("must be >= 0", "offload.prefetch_layers")

@@ -31,6 +31,10 @@ def resolve_dp(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
             f"dp*tp*pp*cp = {dp}*{p.tp}*{p.pp}*{p.cp} = {dp * others} but the world size "
             f"is {world_size}; set parallel.dp={world_size // others} or -1 to fill",
             "parallel.dp")
+    if p.shard_group_size is not None and p.zero < 2:
+        raise ConfigError(f"hybrid sharding needs parallel.zero=2 or 3 (got zero={p.zero}); "
+                          "remove parallel.shard_group_size or raise parallel.zero",
+                          "parallel.shard_group_size")
     if p.zero == 0:
         return dp, 1
     group = p.shard_group_size or dp

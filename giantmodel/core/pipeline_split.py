@@ -26,7 +26,6 @@ from giantmodel.config.parallel import MULTI_STAGE_SCHEDULES, ParallelConfig
 from giantmodel.config.train import TrainConfig
 
 
-
 def layer_cost(model_cfg, seq_len: int) -> float:
     """Forward FLOPs per token of one transformer block."""
     h, f = model_cfg.hidden_size, model_cfg.ffn_hidden_size

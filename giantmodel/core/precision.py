@@ -8,7 +8,7 @@ The scaler is written against plain gradients and a caller-supplied
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

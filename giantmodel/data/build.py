@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from giantmodel.config.errors import ConfigError
 from giantmodel.config.data import DataConfig
+from giantmodel.config.errors import ConfigError
+from giantmodel.data.builtin import builtin_from_config
 from giantmodel.data.indexed import IndexedDataset
 from giantmodel.data.loader import TrainLoader, ValLoader, check_batch_layout
 from giantmodel.data.samples import BlendedSamples, PackedTokens, SyntheticSamples, split_documents
@@ -25,7 +26,6 @@ def vocab_size_of(cfg: DataConfig) -> int | None:
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The job's tokenizer; for "builtin" this builds the cached corpus first if needed."""
     if cfg.source == "builtin":
-        from giantmodel.data.builtin import builtin_from_config
 
         return load_tokenizer(builtin_from_config(cfg).tokenizer)
     if cfg.source == "synthetic":
@@ -69,7 +69,6 @@ def build_samples(cfg: DataConfig, *, seq_len: int, seed: int, vocab_size: int |
                                   _VALID_STREAM)] if n_val else []
         weights = None
     elif cfg.source == "builtin":
-        from giantmodel.data.builtin import builtin_from_config
 
         corpus = builtin_from_config(cfg)
         t, v = IndexedDataset(corpus.train_prefix), IndexedDataset(corpus.valid_prefix)

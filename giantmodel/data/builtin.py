@@ -21,12 +21,15 @@ import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
+from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import UserInputError
+from giantmodel.data.preprocess import preprocess
+from giantmodel.data.tokenizer import train_sentencepiece
 
 # Bump when the build recipe changes, so old caches are not reused.
 RECIPE_VERSION = 1
@@ -117,8 +120,6 @@ def _lines(files: list[Path]) -> Iterator[str]:
 
 def _build(tmp: Path, train: list[Path], valid: list[Path], vocab_size: int,
            workers: int, progress: bool) -> dict:
-    from giantmodel.data.preprocess import preprocess
-    from giantmodel.data.tokenizer import train_sentencepiece
 
     t0 = time.perf_counter()
     tok = train_sentencepiece(_lines(train), tmp / "tokenizer", vocab_size,
@@ -184,7 +185,7 @@ def ensure_builtin_corpus(cache_dir: str | os.PathLike, *, vocab_size: int = 409
     return done
 
 
-def builtin_from_config(cfg, *, progress: bool = True) -> BuiltinCorpus:
+def builtin_from_config(cfg: DataConfig, *, progress: bool = True) -> BuiltinCorpus:
     """The built-in corpus described by a :class:`DataConfig`."""
     return ensure_builtin_corpus(cfg.resolved_cache_dir(), vocab_size=cfg.builtin_vocab_size,
                                  max_bytes=cfg.builtin_max_bytes,

@@ -7,6 +7,8 @@ import os
 import sys
 
 from giantmodel.config.errors import UserInputError
+from giantmodel.data.preprocess import expand_inputs, iter_records, preprocess
+from giantmodel.data.tokenizer import load_tokenizer, train_sentencepiece
 
 
 def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,6 @@ def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_preprocess(args: argparse.Namespace) -> int:
-    from giantmodel.data.preprocess import preprocess
 
     stats = preprocess(args.input, args.output_prefix, args.tokenizer, fmt=args.format,
                        json_key=args.json_key, text_unit=args.text_unit, hf_split=args.split,
@@ -72,7 +73,6 @@ def add_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
 def _training_lines(inputs: list[str], json_key: str):
     import json
 
-    from giantmodel.data.preprocess import expand_inputs, iter_records
 
     for kind, payload in iter_records(expand_inputs(inputs), json_key=json_key,
                                       text_unit="file", hf_split="train"):
@@ -87,7 +87,6 @@ def _training_lines(inputs: list[str], json_key: str):
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
-    from giantmodel.data.tokenizer import load_tokenizer, train_sentencepiece
 
     if args.tokenizer_command == "train":
         if args.vocab_size < 2:

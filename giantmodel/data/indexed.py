@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -130,7 +130,7 @@ class IndexedDatasetWriter:
         self._bin.close()
         self._bin_tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

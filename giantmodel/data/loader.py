@@ -18,7 +18,7 @@ with exactly the next samples.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

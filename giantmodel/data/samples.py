@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 

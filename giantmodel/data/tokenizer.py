@@ -10,8 +10,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from giantmodel.config.errors import UserInputError
 

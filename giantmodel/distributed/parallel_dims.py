@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.schema import JobConfig
 from giantmodel.core.layout import resolve_dp, validate_layout, validate_placement
 from giantmodel.core.pipeline_split import PipelinePlan
 from giantmodel.distributed.links import load_topology
@@ -57,7 +58,7 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> ParallelDims:
+    def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
         """Resolve ``parallel.dp = -1``, split dp into replicate x shard by the
         ZeRO stage and hybrid group, and validate the whole layout (pipeline
         included) against ``cfg.model`` and ``cfg.train``: the one place a
@@ -160,9 +161,15 @@ class ParallelDims:
     def group(self, name: str):
         return self[name].get_group()
 
+    def group_or_none(self, name: str):
+        """The group of a mesh dimension, or None in a single process (where
+        no mesh exists and every collective is a no-op)."""
+        return None if self.world_size == 1 else self.group(name)
+
     def coordinate(self, name: str) -> int:
-        """This rank's index along a (possibly flattened) mesh dimension."""
-        return self[name].get_local_rank()
+        """This rank's index along a (possibly flattened) mesh dimension (0 in
+        a single process)."""
+        return 0 if self.world_size == 1 else self[name].get_local_rank()
 
     @cached_property
     def summary(self) -> str:

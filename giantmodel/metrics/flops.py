@@ -10,7 +10,7 @@ counted: MFU measures useful model work, not hardware work.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -57,7 +57,7 @@ def _cpuinfo() -> tuple[set[str], str, float]:
     return flags, vendor, mhz
 
 
-@lru_cache(maxsize=None)
+@cache
 def cpu_peak_flops() -> float:
     """Theoretical fp32 FLOP/s of this host: cores x clock x FLOPs per cycle.
 

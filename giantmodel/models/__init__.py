@@ -2,4 +2,4 @@
 
 from giantmodel.models.registry import build_model, canonical_name, count_params, init_weights
 
-__all__ = ["build_model", "init_weights", "canonical_name", "count_params"]
+__all__ = ["build_model", "canonical_name", "count_params", "init_weights"]

@@ -24,6 +24,7 @@ from torch import nn
 
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig, RopeScaling
+from giantmodel.models.registry import build_model, canonical_name, copy_full_into
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -353,7 +354,6 @@ def native_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 def _targets(parts: Iterable[nn.Module]) -> dict[str, list[torch.Tensor]]:
     """Canonical parameter name -> the parameters (over all parts) it names."""
-    from giantmodel.models.registry import canonical_name
     out: dict[str, list[torch.Tensor]] = {}
     for part in parts:
         for fqn, p in part.named_parameters(remove_duplicate=False):
@@ -367,7 +367,6 @@ def load_hf_into(parts: list[nn.Module], path: str | os.PathLike,
     pipeline stages (each holding some layers) or DTensor-sharded: each
     parameter takes its own shard of the full tensor. Every parameter of
     ``parts`` must be covered by the checkpoint."""
-    from giantmodel.models.registry import copy_full_into
 
     cfg = cfg or hf_config_to_model_config(read_hf_config(path))
     targets = _targets(parts)
@@ -404,7 +403,6 @@ def from_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
     """Load a HF LlamaForCausalLM or GPT2LMHeadModel directory as a giantmodel
     model (in eval mode, like ``from_pretrained``). ``dtype=None`` keeps the
     stored dtype. The model carries its :class:`ModelConfig` as ``model.cfg``."""
-    from giantmodel.models.registry import build_model
 
     path = Path(path)
     cfg = hf_config_to_model_config(read_hf_config(path), name=path.resolve().name)
@@ -426,7 +424,6 @@ def from_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
 def _plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from giantmodel.models.registry import canonical_name
     out = {}
     for fqn, t in model.state_dict().items():
         if isinstance(t, DTensor):

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from giantmodel.config.model import ModelConfig
+from giantmodel.models.gpt.model import GPT
+from giantmodel.models.llama.model import Llama
 
 # Wrapper names inserted by torch.compile and activation checkpointing.
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -29,10 +31,8 @@ def canonical_name(fqn: str) -> str:
 
 def model_class(arch: str) -> type[nn.Module]:
     if arch == "llama":
-        from giantmodel.models.llama.model import Llama
         return Llama
     if arch == "gpt":
-        from giantmodel.models.gpt.model import GPT
         return GPT
     raise ValueError(f"unknown model.arch {arch!r}; expected 'llama' or 'gpt'")
 

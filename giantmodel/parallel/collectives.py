@@ -1,32 +1,71 @@
-"""Small named collectives; each takes its process group explicitly."""
+"""Small named collectives; each takes its process group explicitly.
+
+A group of ``None`` (a single process) or of one rank makes every one of
+them a no-op, so code written for many ranks runs unchanged on one.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names the single-tensor forms *_single; older releases *_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
-    """In-place sum of ``t`` over ``group`` (a no-op for a group of one)."""
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce_sum_(t: torch.Tensor, group, async_op: bool = False):
+    """In-place sum of ``t`` over ``group``; with ``async_op`` returns the Work (or None)."""
+    if group_size(group) > 1:
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        if async_op:
+            return work
+    return None if async_op else t
 
 
 def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
-def broadcast_from_(t: torch.Tensor, group_src: int, group) -> torch.Tensor:
-    """Overwrite ``t`` on every rank of ``group`` with its value on group rank ``group_src``."""
-    if dist.get_world_size(group) > 1:
-        dist.broadcast(t, group=group, group_src=group_src)
-    return t
+def reduce_scatter_in_place(buffer: torch.Tensor, group, async_op: bool = False):
+    """Sum ``buffer`` over ``group``; afterwards rank r's r-th of ``size`` equal
+    chunks holds the sum of everyone's r-th chunk (the others are stale).
+    The output aliases its chunk of the input, which NCCL, gloo and the
+    giant backend all allow."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    chunk = buffer.numel() // n
+    rank = dist.get_rank(group)
+    out = buffer[rank * chunk:(rank + 1) * chunk]
+    return _reduce_scatter(out, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_in_place(buffer: torch.Tensor, group, async_op: bool = False):
+    """Give every rank of ``group`` every rank's chunk of ``buffer`` (rank r
+    contributes its r-th of ``size`` equal chunks, in place)."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    chunk = buffer.numel() // n
+    rank = dist.get_rank(group)
+    return _all_gather(buffer, buffer[rank * chunk:(rank + 1) * chunk], group=group,
+                       async_op=async_op)
 
 
 def sum_scalar(value: float, group, device: torch.device) -> float:
     """Sum of a Python number over ``group``, in float64."""
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     return float(all_reduce_sum_(t, group).item())
+
+
+def any_true(flag: bool, group, device: torch.device) -> bool:
+    """True when ``flag`` is true on any rank of ``group``."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce_max_(t, group).item())

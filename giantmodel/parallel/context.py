@@ -15,6 +15,7 @@ directly; it runs on gloo and NCCL alike.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -36,8 +37,6 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable all-gather of [B, H, t, D] along t (backward: reduce-scatter)."""
-    import torch.distributed._functional_collectives as funcol
-
     # torch >= 2.13 names it all_gather_single_autograd; older ones, ..._tensor_...
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     # The collective concatenates along dim 0: put t there, gather, move back.
@@ -68,9 +67,9 @@ class ContextParallelSDPA(nn.Module):
             dropout_p=self.dropout if self.training else 0.0)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Replace every block's attention core with the context-parallel one."""
-    for block in model.layers.values():
+def apply_context_parallel(blocks: list[nn.Module], cp_mesh) -> None:
+    """Replace each block's attention core with the context-parallel one."""
+    for block in blocks:
         inner = _unwrap(block).attention
         inner.core = ContextParallelSDPA(inner.core, cp_mesh)
 

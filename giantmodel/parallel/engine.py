@@ -1,118 +1,154 @@
-"""The engine: how one model replica is built, sharded and stepped under a layout.
+"""The engine: one model replica built, sharded and stepped under a layout.
 
-The trainer only talks to an :class:`Engine`; every parallel dimension lives
-behind it. Contract:
+The trainer talks only to an :class:`Engine`; every parallel dimension lives
+behind it. There is one implementation, :class:`TrainEngine`, composed of
+three pieces:
 
-* ``parts``: the model chunks this rank holds (one, or several pipeline stages).
-* ``forward_backward(microbatches, precision)``: forward and backward over one
-  optimizer step's micro-batches; gradients end up as the gradient of the
-  *global-batch token-mean* loss, reduced over every data-parallel rank.
-  Returns that loss (a float, identical on all ranks) for logging.
-* ``clip_grad_norm_(max_norm)``: the global gradient norm across all ranks and
-  dimensions, clipping in place when ``max_norm > 0``.
-* ``eval_loss(batches, precision)``: global token-mean loss, no grad.
-* ``build_optimizer(cfg)``: the optimizer over this rank's parameters.
-* ``optimizer_step(optimizer)`` / ``zero_grad(optimizer)``: one update and the
-  reset after it (ZeRO-1 shards the update and re-gathers parameters here).
-* ``data_rank`` / ``data_world``: which slice of the global batch this rank
-  feeds (ranks that differ only in tp/cp/pp get the same slice).
+* the **model parts** this rank holds -- the whole model, or its pipeline
+  stages -- built by the objective and parallelized from outside
+  (:func:`giantmodel.parallel.parallelize.parallelize`);
+* a **data-parallel strategy** (:mod:`giantmodel.parallel.strategy`): none,
+  own ZeRO-0/1/2 on a flat gradient buffer, or FSDP2 for ZeRO-3 and HSDP;
+* a **step runner**: SPMD (:mod:`giantmodel.parallel.spmd`; one process is
+  its degree-1 case) or a pipeline schedule (:mod:`giantmodel.parallel.pipeline`).
+
+A new parallel dimension is a strategy or a runner here; a new model is an
+objective (:mod:`giantmodel.parallel.objective`); neither adds a branch to
+the trainer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.models import build_model, init_weights
-from giantmodel.core.loss import cross_entropy_sum
-from giantmodel.core.optim import build_adamw
+from giantmodel.config.parallel import ParallelConfig
+from giantmodel.config.train import OffloadConfig, OptimConfig
 from giantmodel.core.precision import Precision
+from giantmodel.core.tensors import unique_params
+from giantmodel.parallel.collectives import any_true
+from giantmodel.parallel.fsdp import FSDP
+from giantmodel.parallel.grads import clip_coefficient, clip_grads_
+from giantmodel.parallel.objective import Objective
+from giantmodel.parallel.parallelize import parallelize
+from giantmodel.parallel.pipeline import PipelineRunner
+from giantmodel.parallel.spmd import SPMDRunner
+from giantmodel.parallel.strategy import DataParallelStrategy, NoDataParallel, strategy_name
+from giantmodel.parallel.zero import OwnZero
 
 
-class Engine:
-    def __init__(self, cfg, dims: ParallelDims, device: torch.device):
-        self.cfg = cfg
+class Engine(Protocol):
+    """The contract the trainer relies on.
+
+    * ``parts``: the model chunks this rank holds (one, or pipeline stages).
+    * ``forward_backward(microbatches, precision)``: forward and backward over
+      one optimizer step's micro-batches; gradients end up as the gradient of
+      the *global-batch mean* loss, reduced over every data-parallel rank.
+      Returns that loss (a float, identical on all ranks).
+    * ``clip_grad_norm_(max_norm)``: the global gradient norm across all ranks
+      and dimensions, clipping in place when ``max_norm > 0``.
+    * ``eval_loss(batches, precision)``: the global mean loss, no grad.
+    * ``build_optimizer(optim_cfg)``: the optimizer over this rank's share.
+    * ``optimizer_step(optimizer)`` / ``zero_grad(optimizer)``: one update and
+      the reset after it (ZeRO re-gathers parameters in the first).
+    * ``data_rank`` / ``data_world``: which slice of the global batch this rank
+      feeds (ranks that differ only in tp/cp/pp get the same slice).
+    """
+
+    parts: list[nn.Module]
+
+    def forward_backward(self, microbatches: list[dict], precision: Precision) -> float: ...
+
+    def eval_loss(self, batches, precision: Precision) -> float: ...
+
+    def clip_grad_norm_(self, max_norm: float) -> float: ...
+
+    def any_rank(self, flag: bool) -> bool: ...
+
+    def build_optimizer(self, optim_cfg: OptimConfig) -> torch.optim.Optimizer: ...
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    @property
+    def data_rank(self) -> int: ...
+
+    @property
+    def data_world(self) -> int: ...
+
+
+class TrainEngine:
+    """Model parts + data-parallel strategy + step runner (module docstring)."""
+
+    def __init__(self, objective: Objective, dims, device: torch.device, *,
+                 parallel: ParallelConfig, recompute: str, offload: OffloadConfig,
+                 compile: bool, precision: str, bucket_mb: float,
+                 recompute_layers: list[str] | None = None,
+                 strategy: DataParallelStrategy | None = None):
+        self.objective = objective
         self.dims = dims
         self.device = device
-        if dims.world_size != 1:
-            raise NotImplementedError("multi-rank layouts are built by giantmodel.parallel")
-        from giantmodel.parallel.apply import parallelize_chunk
-
-        model = build_model(cfg.model, device="meta")
-        # One process: only recompute and activation offload apply.
-        model = parallelize_chunk(model, dims, cfg)
-        init_weights(model, cfg.model, cfg.train.seed, device=device)
-        self.parts: list[nn.Module] = [model]
+        # ``strategy`` replaces the layout's own (benchmarks compare strategies).
+        self.strategy = strategy or build_strategy(dims, zero=parallel.zero, precision=precision,
+                                                   bucket_bytes=int(bucket_mb * 2**20))
+        runner_cls = PipelineRunner if dims.pp > 1 else SPMDRunner
+        self.runner = runner_cls(objective, dims, device, self.strategy)
+        self.parts: list[nn.Module] = []
+        for spec in self.runner.stage_specs():
+            module = objective.build(spec)
+            parallelize(module, objective, dims, self.strategy, sp=parallel.sp,
+                        recompute=recompute, recompute_layers=recompute_layers,
+                        offload=offload, compile=compile)
+            objective.init_weights(module, device)
+            self.parts.append(module)
+        self.strategy.attach(self.parts)
+        self.runner.attach(self.parts)
 
     # ------------------------------------------------------------- training
     def forward_backward(self, microbatches: list[dict], precision: Precision) -> float:
-        model = self.parts[0]
-        model.train()
-        tokens = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)
-        total = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            with precision.autocast():
-                logits = model(mb["input_ids"].to(self.device))
-            loss_sum, _ = cross_entropy_sum(logits, mb["labels"].to(self.device))
-            precision.scale_loss(loss_sum / tokens).backward()
-            total += loss_sum.detach()
-        return float(total) / tokens
+        return self.runner.forward_backward(microbatches, precision)
 
-    @torch.no_grad()
     def eval_loss(self, batches, precision: Precision) -> float:
-        model = self.parts[0]
-        model.eval()
-        loss, tokens = torch.zeros((), dtype=torch.float64), 0
-        for mb in batches:
-            with precision.autocast():
-                logits = model(mb["input_ids"].to(self.device))
-            s, n = cross_entropy_sum(logits, mb["labels"].to(self.device))
-            loss += s.double().cpu()
-            tokens += int(n)
-        model.train()
-        return float(loss) / max(1, tokens)
+        return self.runner.eval_loss(batches, precision)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        return float(norm)
+        terms = self.runner.norm_filter(self.strategy.norm_terms())
+        norm = clip_grads_(terms, self.dims.world_size, max_norm, self.device)
+        self.runner.after_clip(clip_coefficient(norm, max_norm))
+        return norm
 
     def any_rank(self, flag: bool) -> bool:
         """True when ``flag`` is true on any rank (fp16 overflow checks)."""
-        if not dist.is_initialized():
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return any_true(flag, dist.group.WORLD if self.dims.world_size > 1 else None, self.device)
 
-    def build_optimizer(self, optim_cfg) -> torch.optim.Optimizer:
-        return build_adamw(self.parameters(), optim_cfg, self.device.type)
+    # ------------------------------------------------------------ optimizer
+    def build_optimizer(self, optim_cfg: OptimConfig) -> torch.optim.Optimizer:
+        return self.strategy.build_optimizer(optim_cfg, self.device.type)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+        self.strategy.after_step()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad(optimizer)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(unique_params(self.parts))
 
     @property
     def data_rank(self) -> int:
-        return self.dims.coordinate("dp") if self.dims.world_size > 1 else 0
+        return self.dims.coordinate("dp")
 
     @property
     def data_world(self) -> int:
         return self.dims.dp
-
-    def parameters(self):
-        seen = set()
-        for part in self.parts:
-            for p in part.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
 
     @property
     def full_model(self) -> nn.Module | None:
@@ -120,14 +156,13 @@ class Engine:
         return self.parts[0] if self.dims.world_size == 1 else None
 
 
-def build_engine(cfg, dims: ParallelDims, device: torch.device) -> Engine:
-    """The engine for a layout: single process, SPMD (dp/zero/tp/sp/cp), or pipeline."""
-    if dims.world_size == 1:
-        return Engine(cfg, dims, device)
-    if dims.pp > 1:
-        from giantmodel.parallel.pipeline import PipelineEngine
-
-        return PipelineEngine(cfg, dims, device)
-    from giantmodel.parallel.spmd import SPMDEngine
-
-    return SPMDEngine(cfg, dims, device)
+def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int) -> DataParallelStrategy:
+    """The data-parallel strategy for a layout (see :func:`strategy_name`)."""
+    name = strategy_name(zero=zero, dp_cp=dims.dp * dims.cp, hybrid=dims.dp_replicate > 1,
+                         pp=dims.pp)
+    if name == "none":
+        return NoDataParallel(dims)
+    if name == "fsdp":
+        return FSDP(dims, reshard_after_forward=zero == 3, precision=precision)
+    return OwnZero(dims, zero=zero, group=dims.group("dp_cp"), bucket_bytes=bucket_bytes,
+                   overlap=dims.pp == 1)

@@ -4,9 +4,10 @@ Each rank sums the squares of the gradient storage it holds. A tensor held in
 identical copies by R ranks (replicated across dp after reduction, across tp
 for unsharded weights, across the Replicate dims of a DTensor mesh) is
 counted with weight 1/R, so one all-reduce over the whole world, pipeline
-stages included, yields the exact global sum of squares. Pipeline engines
-reuse :func:`global_grad_norm` unchanged: parameters on different stages are
-disjoint, so their copies never overlap.
+stages included, yields the exact global sum of squares. The data-parallel
+strategy says which gradients a rank holds and how many copies of each
+exist (:meth:`norm_terms`): after a ZeRO reduce-scatter only the owner
+holds a parameter's gradient.
 """
 
 from __future__ import annotations
@@ -32,35 +33,35 @@ def replication(t: torch.Tensor, dims) -> int:
     return per_stage // sharded
 
 
-def global_grad_norm(params, dims, device: torch.device | None = None) -> torch.Tensor:
-    """L2 norm of all gradients of ``params`` (this rank's) over all ranks, float64 scalar."""
-    groups: dict[int, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        local = g.to_local() if hasattr(g, "to_local") else g
-        groups.setdefault(replication(g, dims), []).append(local)
+def global_grad_norm(terms: list[tuple[torch.Tensor, int]], world_size: int,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """L2 norm over all ranks of the gradients in ``terms`` (local storage,
+    copies), as a float64 scalar."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for r, tensors in groups.items():
-        sq = sum(t.detach().double().pow(2).sum() for t in tensors)
-        total = total + sq / r
-    if dist.is_initialized() and dims.world_size > 1:
-        total = total.reshape(1)
-        all_reduce_sum_(total, dist.group.WORLD)
-        total = total.reshape(())
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for t, copies in terms:
+        by_copies.setdefault(copies, []).append(t)
+    for copies, tensors in by_copies.items():
+        total = total + sum(t.detach().double().pow(2).sum() for t in tensors) / copies
+    if world_size > 1 and dist.is_initialized():
+        total = all_reduce_sum_(total.reshape(1), dist.group.WORLD).reshape(())
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grads_(params, dims, max_norm: float) -> float:
-    """Clip in place to ``max_norm`` (when > 0) and return the global norm."""
-    params = [p for p in params if p.grad is not None]
-    norm = float(global_grad_norm(params, dims, params[0].grad.device if params else None))
-    if max_norm > 0 and math.isfinite(norm):
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                g = p.grad
-                (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+def clip_grads_(terms: list[tuple[torch.Tensor, int]], world_size: int, max_norm: float,
+                device: torch.device | None = None) -> float:
+    """Scale the gradients in ``terms`` in place to a global norm of at most
+    ``max_norm`` (when > 0); return the norm before clipping."""
+    norm = float(global_grad_norm(terms, world_size, device))
+    coef = clip_coefficient(norm, max_norm)
+    if coef < 1.0 and terms:
+        torch._foreach_mul_([t for t, _ in terms], coef)
     return norm
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor clipping applies to every gradient (1.0: none)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -135,8 +135,9 @@ class ActivationOffload:
         return self._stream
 
 
-def apply_offload(model: nn.Module, prefetch_layers: int) -> ActivationOffload:
-    """Offload each block of ``model.layers`` (a whole model or a stage)."""
-    offload = ActivationOffload(list(model.layers.values()), prefetch_layers)
+def apply_offload(model: nn.Module, blocks: list[nn.Module], prefetch_layers: int
+                  ) -> ActivationOffload:
+    """Offload each of ``blocks`` of ``model`` (a whole model or a stage)."""
+    offload = ActivationOffload(blocks, prefetch_layers)
     model._activation_offload = offload  # kept alive with the model
     return offload

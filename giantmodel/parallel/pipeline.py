@@ -1,134 +1,90 @@
-"""Pipeline parallelism: stages of one model replica on successive ranks.
+"""The pipeline step runner: stages of one model replica on successive ranks.
 
-Each pipeline rank builds the whole model on the meta device, deletes what its
-stage(s) do not own, lets :func:`giantmodel.parallel.apply.parallelize_chunk`
-apply tensor/sequence parallelism, recompute and data parallelism to each
-stage, and only then materialises and initialises the weights. Parameter names
-stay those of the single-process model, so checkpoints load under any layout.
+Each pipeline rank asks the objective for the stage(s) it runs
+(:class:`~giantmodel.parallel.objective.StageSpec`, from the layout's
+:class:`~giantmodel.core.pipeline_split.PipelinePlan`); parameter names stay
+those of the single-process model, so checkpoints load under any layout.
 
 Training runs one ``torch.distributed.pipelining`` schedule per optimizer step
 over the trainer's micro-batches. The last stage's loss is the micro-batch's
-token *sum* divided by the token count of the whole global batch (every
+loss *sum* divided by the loss units of the whole global batch (every
 micro-batch of every data-parallel rank), and the schedule does not rescale
 gradients, so the accumulated gradient is exactly that of the single-process
-global token mean. Gradient reduction over dp/cp, ZeRO, the optimizer and
-the global gradient norm are the SPMD engine's, applied to all local stages.
+global mean. The data-parallel strategy then sums gradients over dp x cp for
+all local stages.
 
 Evaluation runs forward only with plain send/recv between stages, so it does
-not depend on the training schedule's micro-batch count. Tied embeddings are
-two copies (first and last stage) whose gradients are summed every step.
-Pipeline point-to-point traffic uses a group created with
-``parallel.timeout_s``, so a stage waiting on a dead neighbour fails in time.
+not depend on the training schedule's micro-batch count. Weights an objective
+shares between the first and the last stage (tied embeddings) are two copies
+whose gradients are summed every step. Pipeline point-to-point traffic uses
+a group created with ``parallel.timeout_s``, so a stage waiting on a dead
+neighbour fails in time.
 """
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining as pl
+from torch.distributed.tensor import DTensor
 
-from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.models import build_model, init_weights
-from giantmodel.models.registry import copy_full_into, full_init_tensor
-from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
-from giantmodel.parallel.collectives import all_reduce_sum_
-from giantmodel.core.tensors import local_tensor
-from giantmodel.parallel.data import DataParallel
-from giantmodel.parallel.grads import clip_grads_
-from giantmodel.core.pipeline_split import stage_owner
-from giantmodel.parallel.spmd import SPMDEngine
 from giantmodel.core.precision import Precision
+from giantmodel.core.tensors import local_tensor
+from giantmodel.models.registry import canonical_name
+from giantmodel.parallel.collectives import all_reduce_sum_, sum_scalar
+from giantmodel.parallel.objective import Objective, StageSpec
+from giantmodel.parallel.strategy import align_grad_placements
+
+_SCHEDULES = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
+              "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+              "zero_bubble": pl.ScheduleInterleavedZeroBubble,
+              "zbv": pl.ScheduleZBVZeroBubble}
 
 
-# ---------------------------------------------------------------- the model
-def build_stage_module(model_cfg, layers: range, first: bool, last: bool) -> nn.Module:
-    """The full model on the meta device, cut down to one stage."""
-    model = build_model(model_cfg, device="meta")
-    if not first:
-        model.tok_embeddings = None
-        model.pos_embeddings = None
-        # Embedding dropout belongs to the first stage only; later stages get
-        # hidden states that already went through it.
-        model.embed_dropout = nn.Identity()
-    if not last:
-        model.norm = None
-        model.output = None
-    for i in range(model_cfg.num_layers):
-        if i not in layers:
-            del model.layers[str(i)]
-    return model
+class PipelineRunner:
+    """Runs ``parallel.pp > 1``. ``parts`` are this rank's stage modules in
+    execution order."""
 
-
-def _schedule_class(name: str):
-    from torch.distributed import pipelining as pl
-
-    classes = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
-               "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
-               "zero_bubble": pl.ScheduleInterleavedZeroBubble,
-               "zbv": pl.ScheduleZBVZeroBubble}
-    if name not in classes:
-        raise ValueError(f"unknown parallel.pp_schedule {name!r}; expected one of {sorted(classes)}")
-    return classes[name]
-
-
-# --------------------------------------------------------------- the engine
-class PipelineEngine(SPMDEngine):
-    """The :class:`~giantmodel.parallel.engine.Engine` contract for
-    ``parallel.pp > 1``. ``parts`` holds this rank's stage modules in execution
-    order. Gradient reduction over dp, ZeRO, the optimizer, clipping (global
-    over every rank, stages included) and cp input sharding are those of the
-    SPMD engine, applied to all local stages."""
-
-    def __init__(self, cfg, dims: ParallelDims, device: torch.device):
-        # SPMDEngine.__init__ builds a whole model; a stage builds only its part.
-        self.cfg = cfg
+    def __init__(self, objective: Objective, dims, device: torch.device, strategy):
+        self.objective = objective
         self.dims = dims
         self.device = device
-        plan = dims.pipeline
-        self.plan = plan
-        self.n_micro = plan.n_micro
-        self.schedule_name = plan.schedule
-        self.virtual = plan.virtual
-        self.num_stages = plan.num_stages
+        self.strategy = strategy
+        self.plan = dims.pipeline
         self.pp_group = _pipeline_group(dims)
         self.pp_rank = dims.coordinate("pp")  # == rank in pp_group (check_pipeline_placement)
-        self.layer_counts = list(plan.layer_counts)
-        ranges = plan.layer_ranges()
-        self.stage_ids = plan.stage_ids(self.pp_rank)
+        self.stage_ids = self.plan.stage_ids(self.pp_rank)
+        self.dp_group = dims.group("dp")
+        self.dp_cp_group = dims.group("dp_cp")
         self.parts: list[nn.Module] = []
-        for sid in self.stage_ids:
-            module = build_stage_module(cfg.model, ranges[sid], sid == 0,
-                                        sid == self.num_stages - 1)
-            module = parallelize_chunk(module, dims, cfg)
-            init_weights(module, cfg.model, cfg.train.seed, device=device)
-            self.parts.append(module)
-        self.has_first = 0 in self.stage_ids
-        self.has_last = self.num_stages - 1 in self.stage_ids
-        self._tie = _TiedEmbedding(self) if cfg.model.tie_embeddings else None
-        self.data_parallel = DataParallel(dims, cfg)
-        self._dp_group = dims.group("dp")
-        self._dp_cp_group = dims.group("dp_cp")
+        self.tied: list[_TiedPair] = []
         self._schedule = None
-        self._step_tokens = 1.0
+        self._units = 1.0
         self._precision: Precision | None = None
+
+    def stage_specs(self) -> list[StageSpec]:
+        ranges = self.plan.layer_ranges()
+        return [StageSpec(index=s, num_stages=self.plan.num_stages, layers=ranges[s])
+                for s in self.stage_ids]
+
+    def attach(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+        self.tied = [_TiedPair(self, first, last) for first, last in self.objective.tied_parameters()]
 
     # ------------------------------------------------------------- training
     def _get_schedule(self):
         """Built on first use: its first step infers the activation shapes."""
         if self._schedule is not None:
             return self._schedule
-        from torch.distributed.pipelining import PipelineStage
-
-        stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group,
-                                get_mesh=self._mesh_by_names)
+        stages = [pl.PipelineStage(part, sid, self.plan.num_stages, self.device,
+                                   group=self.pp_group, get_mesh=self._mesh_by_names)
                   for part, sid in zip(self.parts, self.stage_ids)]
-        cls = _schedule_class(self.schedule_name)
-        # scale_grads=False: the loss is already divided by the global token count.
-        multi = self.plan.multi_stage
-        self._schedule = cls(stages if multi else stages[0], self.n_micro,
+        cls = _SCHEDULES[self.plan.schedule]
+        # scale_grads=False: the loss is already divided by the global loss units.
+        self._schedule = cls(stages if self.plan.multi_stage else stages[0], self.plan.n_micro,
                              loss_fn=self._stage_loss, scale_grads=False)
         return self._schedule
 
@@ -136,56 +92,62 @@ class PipelineEngine(SPMDEngine):
         """Sub-mesh for a DTensor activation the pipeline received from a peer."""
         return self.dims.mesh[names[0] if len(names) == 1 else names]
 
-    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _stage_loss(self, output: torch.Tensor, target) -> torch.Tensor:
         # The schedule calls this on the last stage once per micro-batch (and
         # once more while it infers shapes on the first step): no side effects.
-        loss_sum, _ = loss_fn(logits, labels)
-        return self._precision.scale_loss(loss_sum / self._step_tokens)
+        loss_sum = self.objective.stage_loss(output, target)
+        return self._precision.scale_loss(loss_sum / self._units)
+
+    def global_units(self, microbatches: list[dict]) -> float:
+        local = sum(self.objective.loss_units(mb) for mb in microbatches)
+        return max(sum_scalar(local, self.dp_group, self.device), 1.0)
 
     def _step_inputs(self, microbatches: list[dict]) -> tuple[tuple, dict]:
         """Whole-step inputs for ``schedule.step``, which cuts them into
         ``n_micro`` equal micro-batches along dim 0 (the trainer's own ones
         unless ``parallel.pp_microbatches`` asks for another count; the loss
-        is a token sum, so the cut does not change the result)."""
-        sequences = sum(mb["input_ids"].shape[0] for mb in microbatches)
-        if sequences % self.n_micro:
-            raise ValueError(f"{sequences} sequences per step do not split into "
-                             f"{self.n_micro} pipeline micro-batches")
-        local = [self._local_inputs(mb) for mb in microbatches]
+        is a sum, so the cut does not change the result)."""
+        sequences = sum(next(iter(mb.values())).shape[0] for mb in microbatches)
+        if sequences % self.plan.n_micro:
+            raise ValueError(f"{sequences} samples per step do not split into "
+                             f"{self.plan.n_micro} pipeline micro-batches")
+        pieces = [self.objective.stage_inputs(mb) for mb in microbatches]
         args, kwargs = (), {}
-        if self.has_first:
-            args = (torch.cat([ids for ids, _, _ in local]),)
-        if self.has_last:
-            kwargs["target"] = torch.cat([labels for _, labels, _ in local])
-        if self.dims.cp > 1:
-            # Every stage needs the absolute positions of its sequence chunks
-            # (RoPE / learned positions); [B, t] so they split with the batch.
-            kwargs["positions"] = torch.cat([pos.expand(ids.shape[0], -1)
-                                             for ids, _, pos in local])
+        if 0 in self.stage_ids:
+            args = tuple(torch.cat(xs) for xs in zip(*(a for a, _, _ in pieces)))
+        for key in pieces[0][1]:
+            kwargs[key] = torch.cat([kw[key] for _, kw, _ in pieces])
+        if self.plan.num_stages - 1 in self.stage_ids:
+            kwargs["target"] = torch.cat([t for _, _, t in pieces])
         return args, kwargs
 
     def forward_backward(self, microbatches: list[dict], precision: Precision) -> float:
         for part in self.parts:
             part.train()
         self._precision = precision
-        self._step_tokens = max(self._global_tokens(microbatches), 1.0)
+        self._units = self.global_units(microbatches)
         sched = self._get_schedule()
         args, kwargs = self._step_inputs(microbatches)
         losses: list[torch.Tensor] = []
-        with loss_context(self.dims), precision.autocast():
+        with self.objective.loss_context(), precision.autocast():
             sched.step(*args, losses=losses, return_outputs=False, **kwargs)
-        self.data_parallel.reduce_gradients(self.parts)
-        if self._tie is not None:
-            self._tie.sum_gradients()
+        # Before the data-parallel sum, which only ever adds: the copies'
+        # local gradients are summed first, whichever rank owns them later,
+        # once both are in their parameters' placements.
+        if self.tied:
+            align_grad_placements(self.parts)
+        for pair in self.tied:
+            pair.sum_gradients()
+        self.strategy.finish()
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.has_last:
+        if losses:
             total += sum(float(x.detach()) for x in losses) / precision.scale
         return self._reduce_loss(total)
 
     def _reduce_loss(self, local: torch.Tensor) -> float:
         """Last stage's share of the loss -> the global value on every rank."""
         all_reduce_sum_(local, self.pp_group)
-        all_reduce_sum_(local, self._dp_cp_group)
+        all_reduce_sum_(local, self.dp_cp_group)
         return float(local)
 
     # ------------------------------------------------------------------ eval
@@ -196,104 +158,107 @@ class PipelineEngine(SPMDEngine):
         batches = list(batches)
         for part in self.parts:
             part.eval()
-        tokens = self._global_tokens(batches)
+        units = self.global_units(batches)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for mb in batches:
-            ids, labels, positions = self._local_inputs(mb)
-            with loss_context(self.dims):
-                logits = self._forward_only(ids, positions, precision)
-                if logits is not None:
-                    total += float(loss_fn(logits, labels)[0])
+            args, kwargs, target = self.objective.stage_inputs(mb)
+            with self.objective.loss_context():
+                out = self._forward_only(args, kwargs, precision)
+                if out is not None:
+                    total += float(self.objective.stage_loss(out, target))
         for part in self.parts:
             part.train()
-        return self._reduce_loss(total) / max(tokens, 1.0)
+        return self._reduce_loss(total) / units
 
-    def _forward_only(self, ids: torch.Tensor, positions, precision: Precision):
-        """Every local stage in global stage order; the logits on the rank
-        that holds the last stage, else None."""
+    def _forward_only(self, args: tuple, kwargs: dict, precision: Precision):
+        """Every local stage in global stage order; the last stage's output
+        on the rank that holds it, else None."""
         by_stage = dict(zip(self.stage_ids, self.parts))
-        pp, name = self.dims.pp, self.schedule_name
         h = None
         for sid in sorted(by_stage):
-            if sid == 0:
-                h = ids
-            elif stage_owner(sid - 1, pp, name) != self.pp_rank:
-                h = recv_activation(self._peer(sid - 1), self.pp_group, self.device,
-                                    self._mesh_by_names)
+            inputs = args
+            if sid > 0:
+                if self.plan.owner(sid - 1) != self.pp_rank:
+                    h = recv_activation(self._peer(sid - 1), self.pp_group, self.device,
+                                        self._mesh_by_names)
+                inputs = (h,)
             with precision.autocast():
-                h = by_stage[sid](h, positions)
-            if sid == self.num_stages - 1:
+                h = by_stage[sid](*inputs, **kwargs)
+            if sid == self.plan.num_stages - 1:
                 return h
-            if stage_owner(sid + 1, pp, name) != self.pp_rank:
+            if self.plan.owner(sid + 1) != self.pp_rank:
                 send_activation(h, self._peer(sid + 1), self.pp_group)
         return None
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global norm over every rank; a tied embedding counts once, as in
-        the single-process model, though the first and last stage both hold it."""
-        head = self._tie.head if self._tie is not None else None
-        norm = clip_grads_([p for p in self.parameters() if p is not head], self.dims, max_norm)
-        if head is not None and head.grad is not None and max_norm > 0 and math.isfinite(norm):
-            coef = max_norm / (norm + 1e-6)  # the coefficient clip_grads_ applied to the rest
-            if coef < 1.0:
-                local_tensor(head.grad).mul_(coef)
-        return norm
+    # -------------------------------------------------------------- clipping
+    def norm_filter(self, terms: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+        """A tied weight counts once, as in the single-process model, though
+        the first and the last stage both hold a copy: the last stage's copy
+        is left out of the norm (and clipped with the coefficient after)."""
+        skip = {local_tensor(p.grad).data_ptr() for pair in self.tied
+                for p in pair.second_copies() if p.grad is not None}
+        return [(t, c) for t, c in terms if t.data_ptr() not in skip] if skip else terms
+
+    @torch.no_grad()
+    def after_clip(self, coefficient: float) -> None:
+        if coefficient < 1.0:
+            for pair in self.tied:
+                for p in pair.second_copies():
+                    if p.grad is not None:
+                        local_tensor(p.grad).mul_(coefficient)
 
     def _peer(self, stage: int) -> int:
         """Global rank that runs ``stage`` in this rank's pipeline group."""
-        local = stage_owner(stage, self.dims.pp, self.schedule_name)
-        return dist.get_global_rank(self.pp_group, local)
+        return dist.get_global_rank(self.pp_group, self.plan.owner(stage))
 
 
 # --------------------------------------------------------------- tied weights
-class _TiedEmbedding:
-    """``model.tie_embeddings`` across pipeline stages.
+class _TiedPair:
+    """One weight shared between the first stage (``first``, a canonical
+    name) and the last (``second``), as two copies of one matrix.
 
-    The token embedding lives on the first stage and the output head on the
-    last, as two copies of one matrix. Both start from the embedding's
-    initial value; after every backward their gradients are summed (over a
-    two-rank group, or locally when one rank holds both stages, as under
-    ZBV), so identical AdamW updates keep the copies equal. Both copies are
-    sharded alike (vocabulary rows over tp, dim 0 over FSDP), so local shards
-    line up element for element.
+    Both start from the same initial value (the objective initialises the
+    second copy with the first one's draw); after every backward their
+    gradients are summed (over a two-rank group, or locally when one rank
+    holds both stages, as under ZBV), so identical AdamW updates keep the
+    copies equal. Both copies are sharded alike (tp rows, FSDP dim 0), so
+    local shards line up element for element.
     """
 
-    def __init__(self, engine: PipelineEngine):
-        self.embedding = self.head = None
-        for part, sid in zip(engine.parts, engine.stage_ids):
-            if sid == 0:
-                self.embedding = part.tok_embeddings.weight
-            if sid == engine.num_stages - 1:
-                self.head = part.output.weight
-        if self.head is not None:
-            cfg = engine.cfg
-            # Layout-independent init draws by name: give the head the
-            # embedding's draw, as the single-process tied model has.
-            copy_full_into(self.head, full_init_tensor("tok_embeddings.weight", self.head.shape,
-                                                       cfg.model, cfg.train.seed))
-        first = stage_owner(0, engine.dims.pp, engine.schedule_name)
-        last = stage_owner(engine.num_stages - 1, engine.dims.pp, engine.schedule_name)
-        self.same_rank = first == last
+    def __init__(self, runner: PipelineRunner, first: str, second: str):
+        self.first = self.second = None
+        for part in runner.parts:
+            named = {canonical_name(n): p for n, p in part.named_parameters(remove_duplicate=False)}
+            if self.first is None:
+                self.first = named.get(first)
+            if self.second is None:
+                self.second = named.get(second)
+        plan = runner.plan
+        first_rank, last_rank = plan.owner(0), plan.owner(plan.num_stages - 1)
+        self.same_rank = first_rank == last_rank
         self.group = None
         if not self.same_rank:
-            pairs = [[row[first], row[last]] for row in _pipeline_groups(engine.dims)]
+            pairs = [[row[first_rank], row[last_rank]] for row in _pipeline_groups(runner.dims)]
             # Every rank takes part in creating every pair's group.
             self.group, _ = dist.new_subgroups_by_enumeration(
-                pairs, timeout=_group_timeout(engine.dims))
+                pairs, timeout=_group_timeout(runner.dims))
 
+    def second_copies(self) -> list[torch.Tensor]:
+        return [self.second] if self.second is not None and self.second is not self.first else []
+
+    @torch.no_grad()
     def sum_gradients(self) -> None:
-        held = [p for p in (self.embedding, self.head) if p is not None]
-        mine = [p for p in held if p.grad is not None]
+        held = [p for p in (self.first, self.second) if p is not None]
         if not held:  # a middle stage
             return
-        if len(mine) != len(held):
-            raise RuntimeError("tied embedding: a stage that holds a copy has no gradient for it")
+        if any(p.grad is None for p in held):
+            raise RuntimeError("tied weights: a stage that holds a copy has no gradient for it")
         if self.same_rank:
-            total = local_tensor(self.embedding.grad) + local_tensor(self.head.grad)
-            local_tensor(self.embedding.grad).copy_(total)
-            local_tensor(self.head.grad).copy_(total)
+            a, b = local_tensor(self.first.grad), local_tensor(self.second.grad)
+            a.add_(b)
+            b.copy_(a)
             return
-        all_reduce_sum_(local_tensor(mine[0].grad), self.group)
+        all_reduce_sum_(local_tensor(held[0].grad), self.group)
 
 
 def _pipeline_groups(dims) -> list[list[int]]:
@@ -303,8 +268,7 @@ def _pipeline_groups(dims) -> list[list[int]]:
 
 
 def _group_timeout(dims) -> timedelta | None:
-    timeout = getattr(dims, "timeout_s", None)
-    return None if timeout is None else timedelta(seconds=timeout)
+    return None if dims.timeout_s is None else timedelta(seconds=dims.timeout_s)
 
 
 def _pipeline_group(dims):
@@ -328,7 +292,7 @@ def send_activation(t: torch.Tensor, dst: int, group) -> None:
     """Send a tensor of any shape (up to 5-D) and dtype: a header, then the
     data. A DTensor (a tensor-parallel activation) goes as its local shard
     plus its layout, which is small and only sent on the eval path."""
-    is_dt = hasattr(t, "to_local")
+    is_dt = isinstance(t, DTensor)
     local = t.to_local() if is_dt else t
     header = torch.zeros(8, dtype=torch.int64)
     header[0], header[1], header[2] = local.dim(), _DTYPES.index(local.dtype), int(is_dt)
@@ -356,8 +320,6 @@ def recv_activation(src: int, group, device: torch.device, mesh_by_names) -> tor
     dist.recv(out, src=src, group=group)
     if layout is None:
         return out
-    from torch.distributed.tensor import DTensor
-
     names, placements, global_shape, stride = layout
     return DTensor.from_local(out, mesh_by_names(names), placements, run_check=False,
                               shape=torch.Size(global_shape), stride=stride)

@@ -1,58 +1,107 @@
-"""Activation recomputation: ``none``, ``selective`` or ``full``.
+"""Activation recomputation, per transformer block: ``none``, ``selective`` or ``full``.
 
-* ``full`` checkpoints whole transformer blocks: only block inputs are kept
-  and each block's forward runs again in backward.
-* ``selective`` checkpoints each block under an op-level policy: matmul
-  outputs and collective results are saved, everything else (the attention
-  core's softmax, the MLP activation, norms, rotary) is recomputed. This is
-  the split of Korthikanti et al. (2022): the cheap-to-recompute, large
-  activations go, the expensive ones stay, and no collective runs twice.
+* ``full`` checkpoints whole blocks: only each block's input is kept and the
+  block's forward runs again in backward.
+* ``selective`` checkpoints each block under an op-level policy that keeps
+  only the expensive results backward needs: matmul outputs, the fused
+  attention kernel's output and log-sum-exp, and the sequence-parallel
+  reduce-scatter results (a 1/tp slice). Everything else is recomputed from
+  those and the block input: norms, rotary embedding, autocast's casts, the
+  MLP activation and gating product, masks, and the collectives whose
+  results are full size: the sequence- and context-parallel all-gathers and
+  the tensor-parallel all-reduce (re-run in backward, as Megatron re-gathers
+  for sequence parallelism; the row-parallel partial sums they read are kept
+  as matmul outputs). So selective keeps strictly less than ``none`` (the fp32
+  norm outputs, the per-linear low-precision copies of their inputs, the
+  rotated q/k and the activation outputs all go) and recomputes no matmul
+  and no attention; under tensor or context parallelism it re-runs two
+  collectives per block in backward.
+
+  Where it pays: with a fused attention kernel (SDPA's flash / efficient path,
+  the CPU flash kernel) ``none`` never holds the s x s scores, so selective
+  trades elementwise recompute (about 5-10% of a block's time) for roughly
+  half of a block's activations. Under sequence parallelism it also drops the
+  gathered full-sequence norm outputs, at one extra all-gather per sub-block
+  in backward.
+* ``recompute_layers`` (a per-block list) mixes modes: ``giantmodel plan``
+  writes it when recomputing only some blocks is enough to fit.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten.embedding.default,
+MODES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+# Matmuls: bmm is left out on purpose: outside a fused kernel it computes the
+# s x s attention scores, which are cheap to recompute and large to keep.
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default}
+_ATTENTION = {
+    getattr(_aten, name).default
+    for name in ("_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention",
+                 "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(_aten, name)
 }
+# Reduce-scatter results are a 1/tp slice: kept. All-reduce and all-gather
+# results are full size: re-run in backward.
+_SAVED_COLLECTIVES = ("reduce_scatter",)
 
 
-def _is_collective(op) -> bool:
+def _collective_kind(op) -> str | None:
     ns = getattr(op, "namespace", "")
-    return ns in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+    if ns not in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
+                  "c10d", "_dtensor"):
+        return None
+    return str(getattr(op, "__name__", op)).split(".")[0]
 
 
-def _policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+class _SelectivePolicy:
+    """The selective policy for one checkpointed block call (forward and its
+    recompute). ``wait_tensor`` returns the tensor a collective produced, so
+    it is saved exactly when that collective was: waits come in the order
+    their collectives were issued, tracked per phase."""
 
-    if op in _SAVE_OPS or _is_collective(op):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    def __init__(self):
+        self._pending: dict[bool, list[bool]] = {False: [], True: []}
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if op in _MATMULS or op in _ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        kind = _collective_kind(op)
+        if kind is None:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        pending = self._pending[ctx.is_recompute]
+        if kind == "wait_tensor":
+            save = pending.pop(0) if pending else False
+        else:
+            save = kind.startswith(_SAVED_COLLECTIVES)
+            pending.append(save)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_policy)
+    return create_selective_checkpoint_contexts(_SelectivePolicy())
 
 
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Wrap each block of ``model.layers`` for ``mode`` (none|selective|full)."""
-    if mode == "none":
-        return
-    if mode not in ("selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full; got {mode!r}")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    kwargs: dict = {}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
-
+def apply_recompute(model: nn.Module, modes: dict[str, str]) -> None:
+    """Wrap each block of ``model`` for its mode: ``modes`` maps a block's
+    dotted name to none, selective or full."""
+    for name, mode in modes.items():
+        if mode not in MODES:
+            raise ValueError(f"recompute must be none, selective or full; got {mode!r}")
+        if mode == "none":
+            continue
+        kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, checkpoint_wrapper(owner.get_submodule(leaf), **kwargs))

@@ -1,119 +1,76 @@
-"""The engine for every layout without pipeline stages: dp / ZeRO / HSDP,
-tensor + sequence parallel and context parallel, in any combination.
+"""The SPMD step runner: every layout without pipeline stages, one process
+included (the degree-1 case of the same code).
 
-Every rank holds one model chunk (the whole model, sharded). One optimizer
-step: count the global batch's tokens over dp, run each micro-batch (cut to
-this rank's context-parallel chunks) with its loss sum scaled by 1/tokens,
-then sum gradients over dp x cp (FSDP2 does it inside backward for zero 2/3).
+Every rank holds one model chunk (the whole model, sharded by tp/cp/FSDP).
+One optimizer step: count the global batch's loss units over dp, run each
+micro-batch with its loss sum scaled by 1/units and backward, then let the
+data-parallel strategy finish the gradient sum over dp x cp. The returned
+loss is the global mean, identical on every rank.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.models import build_model, init_weights
-from giantmodel.parallel.apply import loss_context, loss_fn, parallelize_chunk
-from giantmodel.parallel.collectives import all_reduce_max_, all_reduce_sum_, sum_scalar
-from giantmodel.parallel.context import balanced_positions, shard_sequence
-from giantmodel.core.tensors import unique_params
-from giantmodel.parallel.data import DataParallel
-from giantmodel.parallel.engine import Engine
-from giantmodel.parallel.grads import clip_grads_
-from giantmodel.core.loss import IGNORE_INDEX
 from giantmodel.core.precision import Precision
+from giantmodel.parallel.collectives import all_reduce_sum_, sum_scalar
+from giantmodel.parallel.objective import Objective, StageSpec
 
 
-class SPMDEngine(Engine):
-    def __init__(self, cfg, dims: ParallelDims, device: torch.device):
-        self.cfg = cfg
+class SPMDRunner:
+    def __init__(self, objective: Objective, dims, device: torch.device, strategy):
+        self.objective = objective
         self.dims = dims
         self.device = device
-        model = build_model(cfg.model, device="meta")
-        model = parallelize_chunk(model, dims, cfg)
-        init_weights(model, cfg.model, cfg.train.seed, device=device)
-        self.parts: list[nn.Module] = [model]
-        self.data_parallel = DataParallel(dims, cfg)
-        self._dp_group = dims.group("dp")
-        self._dp_cp_group = dims.group("dp_cp")
+        self.strategy = strategy
+        self.dp_group = dims.group_or_none("dp")
+        self.dp_cp_group = dims.group_or_none("dp_cp")
+        self.parts: list[nn.Module] = []
 
-    # ---------------------------------------------------------------- inputs
-    def _local_inputs(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        ids = mb["input_ids"].to(self.device)
-        labels = mb["labels"].to(self.device)
-        if self.dims.cp == 1:
-            return ids, labels, None
-        cp, rank = self.dims.cp, self.dims.coordinate("cp")
-        positions = balanced_positions(ids.shape[1], cp, rank, self.device)
-        return shard_sequence(ids, cp, rank), shard_sequence(labels, cp, rank), positions
+    def stage_specs(self) -> list[StageSpec]:
+        return [StageSpec()]
 
-    def _global_tokens(self, microbatches: list[dict]) -> float:
-        # Every cp rank sees whole sequences here, so dp alone holds distinct ones.
-        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
-        return sum_scalar(local, self._dp_group, self.device)
+    def attach(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
 
-    # ------------------------------------------------------------- training
+    def global_units(self, microbatches: list[dict]) -> float:
+        """Loss units of the whole global batch. Every cp rank sees whole
+        sequences, so dp alone holds distinct ones."""
+        local = sum(self.objective.loss_units(mb) for mb in microbatches)
+        return max(sum_scalar(local, self.dp_group, self.device), 1.0)
+
     def forward_backward(self, microbatches: list[dict], precision: Precision) -> float:
         model = self.parts[0]
         model.train()
-        tokens = self._global_tokens(microbatches)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        units = self.global_units(microbatches)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(microbatches):
-            ids, labels, positions = self._local_inputs(mb)
-            self.data_parallel.prepare_backward(self.parts, i == len(microbatches) - 1)
-            with loss_context(self.dims):
+            self.strategy.before_backward(i == len(microbatches) - 1)
+            with self.objective.loss_context():
                 with precision.autocast():
-                    logits = model(ids, positions)
-                loss_sum, _ = loss_fn(logits, labels)
-                precision.scale_loss(loss_sum / max(tokens, 1.0)).backward()
+                    loss_sum, _ = self.objective.loss(model, mb)
+                precision.scale_loss(loss_sum / units).backward()
             total += loss_sum.detach().double()
-        self.data_parallel.reduce_gradients(self.parts)
-        return float(all_reduce_sum_(total.reshape(1), self._dp_cp_group)) / max(tokens, 1.0)
+        self.strategy.finish()
+        return float(all_reduce_sum_(total, self.dp_cp_group)) / units
 
     @torch.no_grad()
     def eval_loss(self, batches, precision: Precision) -> float:
         model = self.parts[0]
         model.eval()
         batches = list(batches)  # may be a one-shot iterator; counted, then run
-        tokens = self._global_tokens(batches)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        units = self.global_units(batches)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for mb in batches:
-            ids, labels, positions = self._local_inputs(mb)
-            with loss_context(self.dims):
-                with precision.autocast():
-                    logits = model(ids, positions)
-                loss_sum, _ = loss_fn(logits, labels)
+            with self.objective.loss_context(), precision.autocast():
+                loss_sum, _ = self.objective.loss(model, mb)
             total += loss_sum.double()
         model.train()
-        return float(all_reduce_sum_(total.reshape(1), self._dp_cp_group)) / max(tokens, 1.0)
+        return float(all_reduce_sum_(total, self.dp_cp_group)) / units
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        return clip_grads_(list(self.parameters()), self.dims, max_norm)
+    def norm_filter(self, terms: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+        return terms
 
-    def any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        return bool(all_reduce_max_(t, dist.group.WORLD).item())
-
-    # ------------------------------------------------------------ optimizer
-    def build_optimizer(self, optim_cfg) -> torch.optim.Optimizer:
-        return self.data_parallel.build_optimizer(self.parts, optim_cfg, self.device.type)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        self.data_parallel.after_step()
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        # ZeRO-1's optimizer holds only owned parameters: clear every gradient.
-        optimizer.zero_grad(set_to_none=True)
-        for p in unique_params(self.parts):
-            p.grad = None
-
-    @property
-    def data_rank(self) -> int:
-        return self.dims.coordinate("dp")
-
-    @property
-    def full_model(self) -> nn.Module | None:
+    def after_clip(self, coefficient: float) -> None:
         return None

@@ -16,18 +16,26 @@ reduce-scatter instead of all-reduce, and each block all-gathers its input.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from giantmodel.core.loss import IGNORE_INDEX, cross_entropy_sum
 
 
 def _block_plan(sp: bool, rope: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     # Under sp the residual stream stays a DTensor (global shape), so the
     # model still sees the full sequence length when it indexes RoPE.
     residual = Shard(1) if sp else Replicate()
@@ -58,15 +66,6 @@ def _block_plan(sp: bool, rope: bool) -> dict:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     """Shard ``model`` (a whole model or a pipeline stage) in place over ``tp_mesh``."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -93,3 +92,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
         # parallelize_module swapped the embedding Parameter for a DTensor; the
         # head shares it (both are sharded over vocabulary rows).
         model.tie_weights()
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token cross-entropy and the token count.
+
+    ``logits`` may be a vocab-sharded DTensor (``Shard(-1)``, the output of
+    the tensor-parallel head): the loss is then computed on the shards under
+    ``loss_parallel()`` (a max, a sum of exponentials and the target logit are
+    all-reduced; the [B, T, V] logits never are). Call it, and run backward,
+    inside :func:`loss_parallel_context`. The returned sum is a plain tensor
+    either way.
+    """
+    if not isinstance(logits, DTensor):
+        return cross_entropy_sum(logits, labels)
+    count = (labels != IGNORE_INDEX).sum()
+    labels_dt = DTensor.from_local(labels.reshape(-1), logits.device_mesh,
+                                   [Replicate()] * logits.device_mesh.ndim)
+    loss = F.cross_entropy(logits.float().flatten(0, -2), labels_dt,
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.to_local(), count
+
+
+def loss_parallel_context(enabled: bool):
+    """``loss_parallel()`` when the head is vocab-parallel, else a no-op.
+    Wrap both the loss and its backward in it."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

@@ -7,8 +7,9 @@ import argparse
 import json
 import time
 
+from giantmodel.config import dump_config, load_config
 from giantmodel.config.errors import ConfigError
-from giantmodel.planner.hardware import get_profile
+from giantmodel.planner.hardware import get_profile, single_profile
 from giantmodel.planner.layer_recompute import layer_recompute_plan
 from giantmodel.planner.layout import Cluster, resolve_layout
 from giantmodel.planner.memory import memory_report
@@ -23,10 +24,13 @@ def _common(p: argparse.ArgumentParser, gpu_required: bool) -> None:
                    help="job YAML (default: the embedded default run)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. train.micro_batch_size=2")
-    p.add_argument("--gpu", required=gpu_required, default=None if gpu_required else "cpu",
+    p.add_argument("--gpu", default=None,
                    help="hardware profile: h100-sxm, h100-pcie, h200, a100-80g, a100-40g, "
-                        "a800, v100-32g, v100-16g, cpu, or one from --hw-file")
+                        "a800, v100-32g, v100-16g, cpu, measured (what `giantmodel bench hw` "
+                        "wrote), or one from --hw-file" + ("" if gpu_required else "; default cpu"))
     p.add_argument("--hw-file", default=None, help="YAML with extra hardware profiles")
+    p.add_argument("--profile", default=None,
+                   help="a profile YAML written by `giantmodel bench hw --out FILE` (instead of --gpu)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the profile's, 8 for GPUs, 1 for cpu)")
@@ -47,12 +51,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def load_for_planning(path, overrides):
     """The job config, validated in the parts the planner reads; data paths
     and tokenizers need not exist on the machine that plans."""
-    from giantmodel.config import load_config
 
     cfg = load_config(path, overrides, validate=False)
     cfg.model.validate()
     cfg.train.validate()
     cfg.parallel.validate()
+    if cfg.recompute_layers is not None and len(cfg.recompute_layers) != cfg.model.num_layers:
+        raise ConfigError(f"has {len(cfg.recompute_layers)} entries but model.num_layers is "
+                          f"{cfg.model.num_layers}", "recompute_layers")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len {cfg.train.seq_len} exceeds model.max_seq_len "
                           f"{cfg.model.max_seq_len}", "train.seq_len")
@@ -61,7 +67,14 @@ def load_for_planning(path, overrides):
 
 def _load(args):
     cfg = load_for_planning(args.config, args.overrides)
-    hw = get_profile(args.gpu, args.hw_file)
+    if args.profile and args.gpu:
+        raise ConfigError("give either --gpu or --profile, not both", "--profile")
+    if args.profile:
+        hw = single_profile(args.profile)
+    elif args.gpu is None and getattr(args, "top", None) is not None:
+        raise ConfigError("plan needs the hardware: --gpu NAME or --profile FILE", "--gpu")
+    else:
+        hw = get_profile(args.gpu or "cpu", args.hw_file)
     gpn = args.gpus_per_node or hw.gpus_per_node
     if args.nodes < 1 or gpn < 1:
         raise ConfigError(f"need --nodes >= 1 and --gpus-per-node >= 1, got {args.nodes} "
@@ -84,7 +97,6 @@ def run_estimate(args) -> int:
 
 def run_plan(args) -> int:
     """Search layouts, print the top K, write the best as YAML."""
-    from giantmodel.config import dump_config
 
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}", "--top")

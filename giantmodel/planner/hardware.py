@@ -3,14 +3,17 @@
 Figures are vendor datasheet peaks (dense, no sparsity) for the SXM/OAM parts
 unless the name says otherwise. Link bandwidths are per GPU and per direction,
 which is what a ring or tree collective can drive. The ``*_efficiency``
-fields say which share of a peak real kernels reach; they are the only tuned
-numbers in the planner and are stated in ``benchmarks/RESULTS.md`` (Planner section).
+fields (and ``matmul_tile_knee``) say which share of a peak real kernels
+reach; they are the only tuned numbers in the planner, fitted on one
+published source only (``benchmarks/planner_published.py --fit``) and tested
+on the others (``benchmarks/RESULTS.md``, Planner section).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,15 +49,23 @@ class HardwareProfile:
     """GPU <-> host copy bandwidth per GPU (activation/optimizer offload), bytes/s."""
     gpus_per_node: int = 8
     """Default GPUs per node for this machine type."""
-    matmul_efficiency: float = 0.68
+    matmul_efficiency: float = 0.76
     """Share of peak FLOP/s that large GEMMs reach (cuBLAS, well-shaped, bf16)."""
-    matmul_knee: float = 512.0
-    """GEMM size (smallest of m, k, n) at which matmuls reach half of ``matmul_efficiency``'s
-    rate; small shapes fill fewer tensor-core tiles and waves."""
-    attention_efficiency: float = 0.55
+    matmul_tile_knee: float = 32.0
+    """Output tiles (128 x 128) at which a GEMM reaches half of ``matmul_efficiency``'s rate:
+    about one wave of thread blocks over the device's multiprocessors."""
+    matmul_k_knee: float = 128.0
+    """Inner dimension k at which a GEMM's main loop reaches half rate (load/store overhead)."""
+    matmul_curve: dict[str, list[list[float]]] | None = None
+    """Measured GEMM rate per precision: [[cube-root size, FLOP/s], ...] by size; when present it
+    replaces the efficiency model (written by ``giantmodel bench hw``)."""
+    attention_efficiency: float = 0.45
     """Share of peak FLOP/s that fused (flash) attention reaches, forward; backward is a bit lower."""
-    memory_efficiency: float = 0.80
+    memory_efficiency: float = 0.40
     """Share of memory bandwidth that elementwise kernels reach."""
+    adamw_rate: float | None = None
+    """Parameters per second the optimizer updates; None: memory-bound, 32 bytes per parameter
+    at ``memory_efficiency`` of the bandwidth (fused AdamW on a GPU). Measured by ``bench hw``."""
     link_efficiency: float = 0.80
     """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
     latency_s: float = 10e-6
@@ -62,9 +73,7 @@ class HardwareProfile:
     reserved_bytes: float = 2.5 * GIB
     """Memory the framework cannot allocate: CUDA context, NCCL buffers, workspace."""
     host_memory_bytes: float = 1024 * GIB
-    """Host memory per node, bytes (limits optimizer offload)."""
-    cpu_adam_rate: float = 2.0e9
-    """Parameters per second a node's CPUs update with Adam (optimizer offload)."""
+    """Host memory per node, bytes (pinned buffers of activation offload)."""
 
     def flops(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -98,15 +107,14 @@ BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (
     _gpu("v100-16g", 15.7, 15.7, 16, 0.9, "nvlink2", 150, 12.5, fp16=125, host_bw=12 * GB),
 )}
 
-CPU_PROFILE_FILE = Path(os.environ.get("GIANTMODEL_HW_CACHE",
-                                       Path.home() / ".cache" / "giantmodel" / "hw-cpu.yaml"))
+MEASURED_PROFILE_FILE = Path(os.environ.get(
+    "GIANTMODEL_HW_PROFILE", Path.home() / ".cache" / "giantmodel" / "hw-measured.yaml"))
+"""Where ``giantmodel bench hw`` writes by default and ``--gpu measured`` reads."""
 
 
 def cpu_profile() -> HardwareProfile:
-    """This host as a 'device': measured figures when ``giantmodel bench hw``
-    has saved them, otherwise conservative defaults for a small server."""
-    if CPU_PROFILE_FILE.exists():
-        return load_profile_file(CPU_PROFILE_FILE)["cpu"]
+    """This host as a 'device', with conservative defaults for a small server
+    (``giantmodel bench hw`` then ``--gpu measured`` uses measured figures)."""
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -116,7 +124,7 @@ def cpu_profile() -> HardwareProfile:
         name="cpu", peak_flops={"fp32": flops, "bf16": flops / 2, "fp16": flops / 4},
         memory_bytes=float(mem), memory_bw=20 * GB, intra_link="shm", intra_bw=3 * GB,
         inter_bw=1.25 * GB, host_bw=20 * GB, gpus_per_node=1, matmul_efficiency=0.6,
-        matmul_knee=32.0,
+        matmul_tile_knee=1.0, matmul_k_knee=16.0,
         attention_efficiency=0.3, memory_efficiency=0.7, link_efficiency=0.5,
         latency_s=50e-6, reserved_bytes=0.5 * GIB, host_memory_bytes=float(mem))
 
@@ -139,10 +147,35 @@ def profile_from_dict(name: str, raw: dict, source: str) -> HardwareProfile:
     if missing:
         raise ConfigError(f"hardware profile {name!r} ({source}) lacks {', '.join(missing)}")
     kwargs["peak_flops"] = {str(k): float(v) for k, v in kwargs["peak_flops"].items()}
+    if kwargs.get("matmul_curve") is not None:
+        kwargs["matmul_curve"] = _curve(kwargs["matmul_curve"], name, source)
     for key, value in kwargs.items():
-        if key not in ("name", "peak_flops", "intra_link") and not isinstance(value, (int, float)):
+        if key in ("name", "peak_flops", "intra_link", "matmul_curve"):
+            continue
+        if key == "adamw_rate" and value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} in hardware profile {name!r} must be a number, got {value!r}")
     return HardwareProfile(**kwargs)
+
+
+def _curve(raw, name: str, source: str) -> dict[str, list[list[float]]]:
+    """matmul_curve: {precision: [[size, FLOP/s], ...]} with sizes increasing."""
+    bad = ConfigError(f"matmul_curve in hardware profile {name!r} ({source}) must map a precision "
+                      "to a list of [size, FLOP/s] pairs with increasing sizes")
+    if not isinstance(raw, dict):
+        raise bad
+    out = {}
+    for prec, pts in raw.items():
+        try:
+            pairs = [[float(a), float(b)] for a, b in pts]
+        except (TypeError, ValueError):
+            raise bad from None
+        if not pairs or any(p[1] <= 0 for p in pairs) or \
+                any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)):
+            raise bad
+        out[str(prec)] = pairs
+    return out
 
 
 def load_profile_file(path: str | Path) -> dict[str, HardwareProfile]:
@@ -157,11 +190,28 @@ def load_profile_file(path: str | Path) -> dict[str, HardwareProfile]:
 
 
 def profile_names(extra: dict[str, HardwareProfile] | None = None) -> list[str]:
-    return sorted(set(BUILTIN) | {"cpu"} | set(extra or {}))
+    return sorted(set(BUILTIN) | {"cpu", "measured"} | set(extra or {}))
+
+
+def single_profile(path: str | Path) -> HardwareProfile:
+    """The one profile in ``path`` (what ``giantmodel bench hw`` writes)."""
+    profiles = load_profile_file(path)
+    if len(profiles) != 1:
+        raise ConfigError(f"{path} holds {len(profiles)} profiles ({', '.join(profiles)}); "
+                          "--profile needs a file with exactly one (or use --hw-file FILE "
+                          "--gpu NAME)", "--profile")
+    return next(iter(profiles.values()))
 
 
 def get_profile(name: str, profile_file: str | Path | None = None) -> HardwareProfile:
-    """Built-in or user profile by name; an unknown name lists the valid ones."""
+    """Built-in or user profile by name; ``measured`` is the profile
+    ``giantmodel bench hw`` wrote; an unknown name lists the valid ones."""
+    if name == "measured" and not profile_file:
+        if not MEASURED_PROFILE_FILE.exists():
+            raise ConfigError(f"--gpu measured reads {MEASURED_PROFILE_FILE}, which does not "
+                              "exist; run `giantmodel bench hw` first (or pass --profile FILE)",
+                              "--gpu")
+        return single_profile(MEASURED_PROFILE_FILE)
     extra = load_profile_file(profile_file) if profile_file else {}
     if name in extra:
         return extra[name]

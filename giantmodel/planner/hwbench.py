@@ -1,22 +1,41 @@
 """Measure this machine as a planner hardware profile (``giantmodel bench hw``).
 
-Times large matrix multiplies per precision (achieved FLOP/s) and a large
-copy (memory bandwidth: bytes read + written per second) on the chosen
-device, then writes a profile YAML the planner reads with ``--hw-file`` (or,
-for the CPU, the default location that the built-in ``cpu`` profile uses).
-Measured rates are stored as peaks with efficiency 1.0 for matmuls and
-memory: they already are what kernels achieve here.
+On the chosen device it measures:
+
+* the matmul rate over a range of square sizes, per precision: the *curve*
+  the planner interpolates for every GEMM of a layer (small GEMMs are slower);
+* causal attention (``scaled_dot_product_attention``) FLOP/s, as a share of
+  the matmul peak;
+* memory bandwidth: a large copy (bytes read + written per second), and an
+  elementwise add as the share of it that elementwise kernels reach;
+* the optimizer: parameters per second the project's AdamW updates (on a
+  CPU this is arithmetic-bound, far below what the bandwidth suggests);
+* under ``torchrun`` (WORLD_SIZE > 1): the links, with the placement
+  topology probe (giantmodel.distributed.linkprobe: point-to-point latency and
+  bandwidth inside a host and between hosts), and the all-reduce bus
+  bandwidth of the whole group, stored as the share of the link bandwidth
+  that collectives reach (``link_efficiency``).
+
+It writes a profile YAML that ``estimate`` and ``plan`` read with
+``--profile FILE`` (or ``--gpu measured``, which reads the default location).
+Measured rates are what kernels achieve here, so efficiencies are stored
+as 1.0 where the figure itself is measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 import yaml
 
-from giantmodel.planner.hardware import CPU_PROFILE_FILE, GB
+from giantmodel.config.errors import ConfigError
+from giantmodel.config.train import OptimConfig
+from giantmodel.core.optim import build_adamw
+from giantmodel.distributed.linkprobe import probe_links
+from giantmodel.planner.hardware import GB, MEASURED_PROFILE_FILE
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -39,81 +58,226 @@ def _best_time(fn, device: str, repeats: int) -> float:
     return best
 
 
+def _dtype(name: str):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 def matmul_flops(device: str, dtype: str, n: int, repeats: int = 3) -> float:
-    """Achieved FLOP/s of an n x n x n matmul (best of ``repeats``)."""
+    """Achieved FLOP/s of n x n x n matmuls in the three layouts training runs
+    (forward a @ b, input gradient a @ b^T, weight gradient a^T @ b): total
+    FLOPs over the sum of each layout's best time."""
     import torch
 
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    a = torch.randn(n, n, device=device).to(dt)
-    b = torch.randn(n, n, device=device).to(dt)
-    return 2.0 * n ** 3 / _best_time(lambda: a @ b, device, repeats)
+    a = torch.randn(n, n, device=device).to(_dtype(dtype))
+    b = torch.randn(n, n, device=device).to(_dtype(dtype))
+    t = sum(_best_time(fn, device, repeats)
+            for fn in (lambda: a @ b, lambda: a @ b.t(), lambda: a.t() @ b))
+    return 3 * 2.0 * n ** 3 / t
 
 
-def memory_bandwidth(device: str, nbytes: int, repeats: int = 3) -> float:
-    """Bytes read + written per second by a device-to-device copy."""
+def adamw_rate(device: str, numel: int, repeats: int = 3) -> float:
+    """Parameters per second that the project's AdamW (fused on CUDA, foreach
+    elsewhere) updates, over ``numel`` parameters in 8 tensors."""
+    import torch
+
+    # imported when measuring (they pull in torch), so the CLI starts fast
+
+    params = [torch.nn.Parameter(torch.randn(numel // 8, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = build_adamw(params, OptimConfig(), device.split(":")[0])
+    return numel / _best_time(opt.step, device, repeats)
+
+
+def matmul_curve(device: str, dtype: str, sizes: list[int], repeats: int = 3) -> list[list[float]]:
+    """[[n, FLOP/s], ...] for each size, made non-decreasing (a larger GEMM
+    can always be run as the smaller one's tiles)."""
+    out, best = [], 0.0
+    for n in sizes:
+        best = max(best, matmul_flops(device, dtype, n, repeats))
+        out.append([float(n), best])
+    return out
+
+
+def attention_flops(device: str, dtype: str, seq: int, heads: int = 8, head_dim: int = 64,
+                    repeats: int = 3) -> float:
+    """Causal SDPA forward FLOP/s, counted as the planner counts them:
+    2 * seq^2 * heads * head_dim (QK^T and AV, each half-masked)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(_dtype(dtype))
+               for _ in range(3))
+    t = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device,
+                   repeats)
+    return 2.0 * seq * seq * heads * head_dim / t
+
+
+def memory_bandwidth(device: str, nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """(copy bandwidth, elementwise-add bandwidth), bytes moved per second."""
     import torch
 
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _best_time(lambda: dst.copy_(src), device, repeats)
+    copy = 2.0 * nbytes / _best_time(lambda: dst.copy_(src), device, repeats)
+    add = 3.0 * nbytes / _best_time(lambda: torch.add(src, src, out=dst), device, repeats)
+    return copy, add
 
 
-def measure(device: str = "cpu", size: int | None = None, mem_mb: int | None = None) -> dict:
+def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) -> dict | None:
+    """All-reduce bus bandwidth and per-step latency of the default group when
+    run under torchrun; None in a single process."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if dist.get_world_size() <= 1:
+        return None
+    n = dist.get_world_size()
+    big = torch.ones(nbytes // 4, device=device)
+    small = torch.ones(1, device=device)
+
+    def reduce(t):
+        return lambda: dist.all_reduce(t)
+    t_big = _best_time(reduce(big), device, repeats)
+    t_small = _best_time(reduce(small), device, repeats * 3)
+    busbw = 2.0 * (n - 1) / n * nbytes / max(t_big - t_small, 1e-9)
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", n)) == n
+    return {"busbw": busbw, "latency_s": t_small / max(1, 2 * (n - 1)), "one_node": one_node,
+            "world": n, "rank": dist.get_rank()}
+
+
+def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | None = None,
+            attn_seq: int | None = None) -> dict:
     """A profile mapping (fields of HardwareProfile) for ``device``."""
-    import os
-
     import torch
 
     gpu = device.startswith("cuda")
-    n = size or (8192 if gpu else 1024)
+    sizes = sizes or ([256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024])
     nbytes = (mem_mb or (1024 if gpu else 256)) * 2 ** 20
-    peaks = {}
+    curves, peaks = {}, {}
     for dt in DTYPES:
         try:
-            peaks[dt] = matmul_flops(device, dt, n)
+            curves[dt] = matmul_curve(device, dt, sizes)
         except RuntimeError:  # a dtype the device cannot multiply
             continue
-    bw = memory_bandwidth(device, nbytes)
+        peaks[dt] = curves[dt][-1][1]
+    main = "bf16" if gpu and "bf16" in peaks else "fp32"
+    attn = attention_flops(device, main, attn_seq or (4096 if gpu else 512))
+    copy, add = memory_bandwidth(device, nbytes)
+    # as many parameters as the copy test's bytes: the states (16 B each) then
+    # outgrow the caches, as a model's do
+    adam = adamw_rate(device, nbytes // 4)
     if gpu:
         props = torch.cuda.get_device_properties(device)
         capacity, gpn = float(props.total_memory), torch.cuda.device_count()
     else:
         capacity = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         gpn = 1
-    return {"peak_flops": peaks, "memory_bytes": capacity, "memory_bw": bw,
-            "intra_link": "nvlink4" if gpu else "shm", "intra_bw": bw / 8 if not gpu else 100 * GB,
+    prof = {"peak_flops": peaks, "memory_bytes": capacity, "memory_bw": copy,
+            "intra_link": "nvlink4" if gpu else "shm",
+            "intra_bw": 100 * GB if gpu else copy / 8,
             "inter_bw": 12.5 * GB if gpu else 1.25 * GB, "gpus_per_node": gpn,
-            "matmul_efficiency": 1.0, "matmul_knee": 512.0 if gpu else 32.0,
-            "attention_efficiency": 0.5, "memory_efficiency": 1.0,
-            "link_efficiency": 0.8, "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
+            "matmul_efficiency": 1.0, "matmul_curve": curves,
+            "attention_efficiency": min(1.0, attn / peaks[main]),
+            "memory_efficiency": min(1.0, add / copy),
+            "link_efficiency": 0.8, "adamw_rate": adam,
+            "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
             "host_memory_bytes": capacity}
+    links = link_bandwidth(device)
+    if links is not None:
+        prof.update(probe_link_figures(device))
+        slowest = prof["intra_bw"] if links["one_node"] else prof["inter_bw"]
+        prof["link_efficiency"] = min(1.0, links["busbw"] / slowest)
+        if links["one_node"] and not gpu:
+            prof["gpus_per_node"] = links["world"]
+    return prof
+
+
+def probe_link_figures(device: str) -> dict:
+    """intra_bw / inter_bw / latency_s from the topology probe: the median
+    point-to-point bandwidth of rank pairs inside a host and across hosts."""
+    import numpy as np
+
+    # the probe lives in the distributed layer; imported here so that a
+    # single-process `bench hw` does not need a process group
+
+    topo = probe_links("hosts")
+    host = np.empty(topo.world_size, dtype=np.int64)
+    for h, ranks in enumerate(topo.host_ranks):
+        host[ranks] = h
+    same = host[:, None] == host[None, :]
+    off = ~np.eye(topo.world_size, dtype=bool)
+    out = {}
+    for key, mask in (("intra_bw", same & off), ("inter_bw", ~same)):
+        vals = topo.beta[mask]
+        vals = vals[np.isfinite(vals) & (vals > 0)]
+        if vals.size:
+            out[key] = float(np.median(vals))
+    alphas = topo.alpha[off]
+    alphas = alphas[alphas > 0]
+    if alphas.size:
+        out["latency_s"] = float(np.median(alphas))
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--name", default=None, help="profile name (default: cpu, or the GPU's name)")
-    p.add_argument("--size", type=int, default=None, help="matmul size n (n x n x n)")
+    p.add_argument("--name", default=None,
+                   help="profile name (default: measured; give it to --gpu with --hw-file)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated matmul sizes n (n x n x n) for the efficiency curve")
     p.add_argument("--mem-mb", type=int, default=None, help="bytes copied for the bandwidth test")
+    p.add_argument("--attn-seq", type=int, default=None, help="sequence length of the attention test")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (match what each training rank will use)")
     p.add_argument("--out", default=None,
-                   help=f"profile YAML to write (default for cpu: {CPU_PROFILE_FILE})")
+                   help=f"profile YAML to write (default: {MEASURED_PROFILE_FILE}, "
+                        "which --gpu measured reads)")
 
 
 def main(args) -> int:
-    from giantmodel.config.errors import ConfigError
 
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ConfigError(f"--device must be cpu or cuda[:N], got {args.device!r}", "--device")
-    if args.device.startswith("cuda"):
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but no CUDA device is visible", "--device")
-    prof = measure(args.device, args.size, args.mem_mb)
-    name = args.name or ("cpu" if args.device == "cpu" else "measured-gpu")
-    out = Path(args.out) if args.out else (CPU_PROFILE_FILE if name == "cpu" else Path(f"{name}.yaml"))
+    import torch
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is visible", "--device")
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else None
+    except ValueError:
+        raise ConfigError(f"--sizes must be comma-separated integers, got {args.sizes!r}",
+                          "--sizes") from None
+    if sizes is not None and (not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1):
+        raise ConfigError(f"--sizes must increase and be >= 1, got {args.sizes!r}", "--sizes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prof = measure(args.device, sizes, args.mem_mb, args.attn_seq)
+    name = args.name or "measured"
+    out = Path(args.out) if args.out else MEASURED_PROFILE_FILE
+    import torch.distributed as dist
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0   # rank 0 writes the profile and reports
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump({name: prof}, sort_keys=False))
-    for dt, f in prof["peak_flops"].items():
-        print(f"matmul {dt:<5} {f / 1e12:8.3f} TFLOP/s")
-    print(f"memory bandwidth {prof['memory_bw'] / GB:8.1f} GB/s (read + write)")
+    for dt, curve in prof["matmul_curve"].items():
+        pts = " ".join(f"{int(n)}:{r / 1e9:.1f}" for n, r in curve)
+        print(f"matmul {dt:<5} GFLOP/s by size {pts}")
+    print(f"attention {prof['attention_efficiency'] * 100:.0f}% of the matmul peak")
+    print(f"memory bandwidth {prof['memory_bw'] / GB:8.1f} GB/s (copy), elementwise "
+          f"{prof['memory_efficiency'] * 100:.0f}% of it; AdamW {prof['adamw_rate'] / 1e6:.0f} "
+          "M params/s")
+    if "latency_s" in prof:
+        print(f"links (point to point) {prof['intra_bw'] / GB:.2f} GB/s in a host, "
+              f"{prof['inter_bw'] / GB:.2f} GB/s between hosts, latency "
+              f"{prof['latency_s'] * 1e6:.0f} us; all-reduce reaches "
+              f"{prof['link_efficiency'] * 100:.0f}% of it")
     print(f"wrote profile {name!r} to {out}")
     return 0

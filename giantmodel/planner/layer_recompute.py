@@ -22,6 +22,23 @@ from giantmodel.planner.memory import (
 from giantmodel.planner.perf import PerfOptions, layer_time
 
 
+class _Room:
+    """Bytes one pipeline rank needs with ``n_sel`` selective and ``n_full``
+    full blocks (the rest as they are)."""
+
+    def __init__(self, required, held, save_sel, save_full, acts):
+        self.required, self.held = required, held
+        self.save_sel, self.save_full, self.acts = save_sel, save_full, acts
+
+    def need(self, n_sel: int, n_full: int) -> float:
+        a = self.acts
+        # one block's re-created tensors live during its backward
+        rerun = a["none"] if n_full else a["none"] - a["selective"] if n_sel else 0.0
+        return (self.required
+                - (n_sel * self.save_sel + n_full * self.save_full) * (1 + FRAGMENTATION)
+                + (1 + FRAGMENTATION) * max(0.0, rerun - self.held))
+
+
 def _per_layer(m, layout: Layout, mode: str) -> float:
     return sum(layer_activation_bytes(m, layout.precision, mode, layout.micro_batch,
                                       layout.seq_len, layout.tp, layout.sp, layout.cp).values())
@@ -44,28 +61,30 @@ def layer_recompute_plan(m, layout: Layout, hw, cluster: Cluster,
     for r in range(layout.pp):
         base = rank_memory(m, replace(layout, recompute="none"), r, hw)
         n, inflight = base.layers, base.inflight
+        required, held = base.required, base.components["backward_transient"]
+        save_sel = inflight * (acts["none"] - acts["selective"]) + weights
+        save_full = inflight * (acts["none"] - acts["full"]) + weights
         best = None
+        room = _Room(required, held, save_sel, save_full, acts)
         for n_full in range(n + 1):
-            for n_sel in range(n - n_full + 1):
-                saved = (inflight * (n_sel * (acts["none"] - acts["selective"])
-                                     + n_full * (acts["none"] - acts["full"]))
-                         + (n_sel + n_full) * weights) * (1 + FRAGMENTATION)
-                # one block's re-created tensors live during its backward
-                rerun = (acts["none"] if n_full else
-                         acts["none"] - acts["selective"] if n_sel else 0.0)
-                need = base.required - saved + (1 + FRAGMENTATION) * max(
-                    0.0, rerun - base.components["backward_transient"])
-                if need > hw.memory_bytes:
-                    continue
-                t = n_sel * cost["selective"] + n_full * cost["full"]
-                if best is None or t < best[0]:
-                    best = (t, n_sel, n_full, need)
-                break  # more selective blocks only add time once this fits
+            # the fewest selective blocks that fit next to n_full full ones
+            lo, hi = 0, n - n_full
+            if room.need(hi, n_full) > hw.memory_bytes:
+                continue
+            while lo < hi:   # need() falls as n_sel grows (each block frees save_sel)
+                mid = (lo + hi) // 2
+                if room.need(mid, n_full) <= hw.memory_bytes:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            t = lo * cost["selective"] + n_full * cost["full"]
+            if best is None or t < best[0]:
+                best = (t, lo, n_full, room.need(lo, n_full))
         if best is None:
             plans.append({"pp_rank": r, "layers": n, "plan": None})
         else:
-            t, n_sel, n_full, need = best
+            t, n_sel, n_full, req = best
             plans.append({"pp_rank": r, "layers": n,
                           "plan": {"none": n - n_sel - n_full, "selective": n_sel, "full": n_full},
-                          "recompute_s_per_microbatch": t, "required_bytes": need})
+                          "recompute_s_per_microbatch": t, "required_bytes": req})
     return plans

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
-from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.core.pipeline_split import stage_ids_for_rank
+from giantmodel.distributed.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,19 @@ class Layout:
     precision: str
     recompute: str
     offload_activations: bool
-    offload_optimizer: bool
     stage_layers: tuple[int, ...]
     bucket_mb: float = 25.0
+    recompute_layers: tuple[str, ...] | None = None
+    """Per-block recompute modes (one per model layer); None: ``recompute`` everywhere."""
+
+    def layer_modes(self, pp_rank: int) -> list[str]:
+        """Recompute mode of each block that pipeline rank ``pp_rank`` runs."""
+        n = sum(self.stage_layers[s] for s in self.rank_stages(pp_rank))
+        if self.recompute_layers is None:
+            return [self.recompute] * n
+        starts = [sum(self.stage_layers[:s]) for s in range(self.num_stages)]
+        return [self.recompute_layers[starts[s] + i] for s in self.rank_stages(pp_rank)
+                for i in range(self.stage_layers[s])]
 
     @property
     def dp_replicate(self) -> int:
@@ -70,6 +80,15 @@ class Layout:
             return list(range(self.num_stages))
         return stage_ids_for_rank(pp_rank, self.pp, self.virtual, self.schedule)
 
+    def layer_mode_counts(self, pp_rank: int) -> dict[str, int]:
+        """How many of pipeline rank ``pp_rank``'s blocks run each recompute mode."""
+        if self.recompute_layers is None:
+            return {self.recompute: sum(self.stage_layers[s] for s in self.rank_stages(pp_rank))}
+        out: dict[str, int] = {}
+        for mode in self.layer_modes(pp_rank):
+            out[mode] = out.get(mode, 0) + 1
+        return out
+
     def describe(self) -> str:
         zero = f"zero{self.zero}" + (f"/hsdp{self.dp_shard}" if self.zero and self.dp_shard < self.dp
                                      else "")
@@ -78,11 +97,13 @@ class Layout:
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         parts.append(f"mb{self.micro_batch}x{self.n_micro}")
-        parts.append(f"rc:{self.recompute}")
+        if self.recompute_layers is None:
+            parts.append(f"rc:{self.recompute}")
+        else:
+            counts = {m: self.recompute_layers.count(m) for m in ("none", "selective", "full")}
+            parts.append("rc:" + "/".join(f"{counts[m]}{m[0]}" for m in counts if counts[m]))
         if self.offload_activations:
             parts.append("act-offload")
-        if self.offload_optimizer:
-            parts.append("opt-offload")
         return " ".join(parts)
 
 
@@ -102,11 +123,11 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         n_micro = dims.pipeline.n_micro
         micro_batch = cfg.train.global_batch_size // dims.dp // n_micro
         split = list(dims.pipeline.layer_counts)
-    offload_opt = bool(getattr(cfg.offload, "optimizer", False))
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
         zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
         micro_batch=micro_batch, n_micro=n_micro, seq_len=cfg.train.seq_len,
         precision=cfg.precision, recompute=cfg.recompute,
-        offload_activations=cfg.offload.activations, offload_optimizer=offload_opt,
-        stage_layers=tuple(split), bucket_mb=p.bucket_mb)
+        offload_activations=cfg.offload.activations, stage_layers=tuple(split),
+        bucket_mb=p.bucket_mb,
+        recompute_layers=tuple(cfg.recompute_layers) if cfg.recompute_layers else None)

@@ -14,10 +14,11 @@ layout of Korthikanti et al. 2022 (34*s*b*h + 5*a*s^2*b per layer in fp16) is
 the cross-check; flash attention removes the s^2 term.
 
 Recompute modes follow giantmodel.parallel.recompute: ``selective`` runs
-each block under an op-level policy that saves matmul outputs and collective
-results and recomputes everything else (norms, rotary, casts, the attention
-core, the MLP activation); ``full`` checkpoints whole blocks and keeps only
-each block's input. Either way the checkpoint keeps the block input.
+each block under an op-level policy that saves matmul outputs, the fused
+attention output and reducing-collective results and recomputes everything
+else (norms, rotary, casts, the MLP activation, all-gathers); ``full``
+checkpoints whole blocks and keeps only each block's input. Either way the
+checkpoint keeps the block input.
 
 Weights: autocast caches one low-precision copy of every linear weight per
 forward and autograd keeps it until backward, so zero 0/1 runs also hold
@@ -29,9 +30,13 @@ gathers bf16 parameters and autocast's casts are no-ops.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 
+from giantmodel.models import build_model
+from giantmodel.parallel.flat_buffer import layout_sizes
+from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Layout
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -82,14 +87,20 @@ class ParamTable:
     tied: bool
 
     def layer_numel(self, tp: int = 1) -> int:
-        return sum(math.prod(p.local_shape(tp)) for p in self.layer)
+        return _numel_cached(self, tp, False)
 
     def layer_linear_numel(self, tp: int = 1) -> int:
-        return sum(math.prod(p.local_shape(tp)) for p in self.layer if _is_linear(p.name))
+        return _numel_cached(self, tp, True)
 
     def head_linear_numel(self, tp: int = 1) -> int:
         head = self.head or tuple(p for p in self.embed if p.name.startswith("tok_"))
         return sum(math.prod(p.local_shape(tp)) for p in head)
+
+
+@functools.lru_cache(maxsize=4096)
+def _numel_cached(table: ParamTable, tp: int, linear_only: bool) -> int:
+    return sum(math.prod(p.local_shape(tp)) for p in table.layer
+               if not linear_only or _is_linear(p.name))
 
 
 def _is_linear(name: str) -> bool:
@@ -106,7 +117,6 @@ _TABLES: dict[tuple, ParamTable] = {}
 
 
 def _param_table(key: tuple, model_cfg_obj) -> ParamTable:
-    from giantmodel.models import build_model
 
     if key in _TABLES:
         return _TABLES[key]
@@ -202,26 +212,41 @@ class StateBytes:
 
 def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: int,
                       style: str = "autocast", rank: int = 0,
-                      offload_optimizer: bool = False, zero1: str = "owner") -> dict[str, int]:
+                      zero1: str = "owner", strategy: str = "own",
+                      bucket_mb: float = 25.0) -> dict[str, int]:
     """Params, grads and optimizer states on one rank, by ZeRO stage:
     1 shards optimizer states, 2 also gradients, 3 also parameters.
 
-    ``zero1="owner"`` counts ZeRO-1 the way this project shards it (whole
-    parameters per rank); ``"even"`` is the ZeRO paper's even split. In this
-    project zero 2 is FSDP2 without resharding after forward, so the
-    persistent parameters are sharded too (the gathered copy that lives from
-    forward to backward is counted as working weights); the paper's (and
-    DeepSpeed's) stage 2 keeps full parameters, which style "mixed" follows."""
+    ``strategy`` is the engine's data-parallel strategy for the layout
+    (:func:`giantmodel.parallel.strategy.strategy_name`). "own" (zero 0/1/2
+    on flat buffers) counts what the engine allocates: whole-parameter
+    ownership per bucket, buffers padded to equal owner chunks
+    (:func:`giantmodel.parallel.flat_buffer.layout_sizes`); zero 2 keeps whole
+    parameters, as in the ZeRO paper. "fsdp" (zero 3, HSDP, zero 2 under
+    pipelines) shards dim 0 as FSDP2 does; its zero 2 keeps the parameters
+    sharded at rest (the copy gathered from forward to backward is counted
+    as working weights). ``zero1="even"`` is the ZeRO paper's even split,
+    which style "mixed" (Megatron/DeepSpeed bytes per element) follows."""
     b = StateBytes.for_style(style)
-    full = sum(math.prod(s) for s in shapes)
-    shard = sum(shard_numel(s, shard_degree, rank) for s in shapes) if zero else full
-    opt = shard
-    if zero == 1 and zero1 == "owner":
-        opt = owner_numel(shapes, shard_degree, rank)
+    sizes = [math.prod(s) for s in shapes]
+    full = sum(sizes)
+    if zero == 0 or shard_degree == 1 or strategy == "none":
+        params = grads = opt = full
+    elif strategy == "own" and zero1 == "owner":
+        flat = layout_sizes(sizes, owners=shard_degree, rank=rank,
+                            bucket_numel=int(bucket_mb * 2**20) // b.grad)
+        params = flat.total if style != "mixed" else full
+        grads = flat.shard if zero == 2 else flat.total
+        opt = flat.owned
+    else:
+        shard = sum(shard_numel(s, shard_degree, rank) for s in shapes)
+        params = shard if zero >= (3 if style == "mixed" or strategy == "own" else 2) else full
+        grads = shard if zero >= 2 else full
+        opt = shard
     return {
-        "params": b.param * (shard if zero >= (3 if style == "mixed" else 2) else full),
-        "grads": b.grad * (shard if zero >= 2 else full),
-        "optimizer": 0 if offload_optimizer else b.optim * (opt if zero >= 1 else full),
+        "params": b.param * params,
+        "grads": b.grad * grads,
+        "optimizer": b.optim * opt,
     }
 
 
@@ -282,29 +307,27 @@ def layer_terms(m, precision: str) -> list[Term]:
 
 
 def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
-    """What the selective policy stores per block: its input, every matmul
-    output, and every collective output (TP all-reduce / SP all-gather and
-    reduce-scatter / CP K/V all-gather)."""
+    """What the selective policy keeps per block (giantmodel.parallel.recompute):
+    the block input (the checkpoint's), every matmul output (under tp the
+    row-parallel ones are partial sums), the fused attention kernel's output
+    and log-sum-exp, and under sp the reduce-scatter results. Norms, casts,
+    rotary, the MLP activation, the tp all-reduce and the sp/cp all-gathers
+    are recomputed."""
     c = DTYPE_BYTES[precision]
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
     terms = [Term("block.input", 4 * h, "seq"),
              Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
              Term("attention.wv_out", c * kv, "tp"),
+             Term("attention.core_out", c * q, "tp"), Term("attention.lse", 4 * n, "tp"),
              Term("attention.wo_out", c * h, "full"),   # partial sums under tp
              Term("feed_forward.w1_out", c * f, "tp"),
              Term("feed_forward.w2_out", c * h, "full")]
     if m.arch == "llama":
         terms.append(Term("feed_forward.w3_out", c * f, "tp"))
-    if tp > 1:
-        # all-reduce (or, with sp, reduce-scatter) results of wo and w2
+    if tp > 1 and sp:   # reduce-scatter results of wo and w2
         terms += [Term("attention.wo_reduced", c * h, "seq"),
                   Term("feed_forward.w2_reduced", c * h, "seq")]
-        if sp:  # the gathered (fp32) norm outputs that feed the column-parallel linears
-            terms += [Term("attention.gathered_input", 4 * h, "full"),
-                      Term("feed_forward.gathered_input", 4 * h, "full")]
-    if cp > 1:
-        terms += [Term("attention.kv_gathered", 2 * c * kv, "tp", kv=True)]
     return terms
 
 
@@ -392,6 +415,23 @@ def inflight_microbatches(layout: Layout, pp_rank: int) -> float:
 
 
 # ------------------------------------------------------------------ report
+def offloads_to_host(hw) -> bool:
+    """Activation offload moves tensors only off an accelerator: on a CPU
+    'device' they already live in host memory and stay where they are."""
+    return hw is None or hw.intra_link != "shm"
+
+
+def offload_resident_bytes(rank_bytes: float, n_layers: int, prefetch_layers: int) -> float:
+    """Device bytes of offloaded activations at the peak, per
+    giantmodel.parallel.offload as it is: forward keeps nothing on the device,
+    but backward keeps every block's fetched copy until the micro-batch's
+    backward ends, so the micro-batch in backward comes back whole (the others
+    in flight stay on the host). When offload frees each block's copies after
+    its backward, this becomes about ``prefetch_layers + 1`` blocks."""
+    del prefetch_layers   # not yet a bound: copies are kept to the end of backward
+    return rank_bytes
+
+
 @dataclass
 class RankMemory:
     pp_rank: int
@@ -443,13 +483,15 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     ns = layout.num_stages
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
-           layout.zero, shard_degree, style, layout.offload_optimizer)
+           layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
+        strategy = strategy_name(zero=layout.zero, dp_cp=layout.dp * layout.cp,
+                                 hybrid=layout.dp_replicate > 1, pp=layout.pp)
         states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
-                                   layout.offload_optimizer)
+                                   strategy=strategy, bucket_mb=layout.bucket_mb)
         _STATES[key] = (states, sum(math.prod(s) for s in shapes))
     states, full = _STATES[key]
     return dict(states), full
@@ -469,14 +511,14 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     # weight until backward (zero 0/1; not for blocks a full recompute
     # re-runs); FSDP2 keeps unsharded params from forward to backward under
     # zero 2, and prefetches about two layers under zero 3.
+    modes = layout.layer_mode_counts(pp_rank)
     if layout.zero == 3:
         comp["working_weights"] = 2 * layer_local * c
     elif layout.zero == 2:
         comp["working_weights"] = local_full * c
     elif c < 4:
         lin = table.head_linear_numel(layout.tp) if ns - 1 in stages else 0
-        if layout.recompute == "none":
-            lin += n_layers * table.layer_linear_numel(layout.tp)
+        lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp)
         comp["working_weights"] = lin * c
     else:
         comp["working_weights"] = 0
@@ -485,27 +527,27 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     else:
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len
-    per_layer_none = layer_activation_bytes(m, layout.precision, "none", b, s, layout.tp,
+    by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
                                             layout.sp, layout.cp)
-    per_layer = layer_activation_bytes(m, layout.precision, layout.recompute, b, s, layout.tp,
-                                       layout.sp, layout.cp)
+               for mode in set(modes) | {"none", layout.recompute}}
+    per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
-    layer_bytes = sum(per_layer.values())
-    if layout.offload_activations:
-        # Saved tensors go to host; about prefetch + 1 layers stay resident.
-        acts = min(n_layers, prefetch_layers + 2) * layer_bytes
+    rank_bytes = sum(k * sum(by_mode[mode].values()) for mode, k in modes.items())
+    if layout.offload_activations and offloads_to_host(hw):
+        acts = offload_resident_bytes(rank_bytes, n_layers, prefetch_layers)
     else:
-        acts = n_layers * layer_bytes * inflight
+        acts = rank_bytes * inflight
     edges = edge_activation_bytes(m, layout.precision, b, s, layout.tp, layout.sp, layout.cp,
                                   first=0 in stages, last=ns - 1 in stages)
     edge_inflight = {k: v * (inflight if k == "embedding.ids" else 1.0) for k, v in edges.items()}
     comp["activations"] = acts
     comp["embedding_head_activations"] = sum(edge_inflight.values())
+    none_bytes = sum(by_mode["none"].values())
     transient = 0.0
-    if layout.recompute == "full":
-        transient = sum(per_layer_none.values())   # one block re-run during backward
-    elif layout.recompute == "selective":   # what the policy re-creates for one block
-        transient = sum(per_layer_none.values()) - layer_bytes
+    if "full" in modes:
+        transient = none_bytes   # one block re-run during backward
+    elif "selective" in modes:   # what the policy re-creates for one block
+        transient = none_bytes - sum(by_mode["selective"].values())
     if ns - 1 in stages:
         transient = max(transient, loss_transient_bytes(m, layout.precision, b, s, layout.tp,
                                                         layout.cp))

@@ -4,8 +4,24 @@ Every op costs max(FLOPs / achievable rate, bytes / achievable bandwidth);
 collectives cost their bus volume over the slowest link they cross, with
 hierarchical (intra-node, then inter-node) algorithms when a group spans
 nodes. The step is the pipeline schedule over per-micro-batch stage times,
-plus the gradient and parameter traffic that is not hidden behind compute,
-plus the optimizer.
+plus the gradient and parameter traffic the engine cannot hide, plus the
+optimizer. What overlaps follows the engine (giantmodel.parallel):
+
+* zero 0: gradients live in one flat buffer whose buckets are all-reduced
+  from inside the last micro-batch's backward: only what exceeds that
+  backward, and the last bucket, are exposed;
+* zero 1: the same buckets are reduce-scattered into their owners' shards,
+  then the updated parameters are all-gathered once after the optimizer step
+  (exposed);
+* zero 2: buckets are reduce-scattered inside every micro-batch's backward,
+  and the same all-gather follows the step;
+* zero 3 / HSDP: FSDP2 with one unit per block and prefetch: per micro-batch
+  the first unit's gather is exposed, then communication hides behind compute
+  while compute is longer;
+* pipeline: point-to-point activations (the fp32 residual stream) on every
+  stage boundary, over NVLink or the network depending on where the next
+  stage sits; the schedule's bubble is counted per stage, so a heavy last
+  stage (the head) or first stage costs what it costs and no more.
 
 Model FLOPs (for TFLOP/s and MFU) follow Narayanan et al. 2021, eq. 3, with
 the recompute pass left out and generalised to any MLP and attention width:
@@ -20,30 +36,58 @@ MFU = F / step time / (GPUs x dense peak of the precision).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import bisect
+import math
+from dataclasses import dataclass, field, replace
 
 from giantmodel.planner.layout import Cluster, Layout
-from giantmodel.planner.memory import DTYPE_BYTES, layer_activation_bytes, param_table
+from giantmodel.planner.memory import (
+    DTYPE_BYTES,
+    MIB,
+    layer_activation_bytes,
+    offloads_to_host,
+    param_table,
+)
 
 
 @dataclass
 class PerfOptions:
     """Behaviours of the training code that change the step time."""
 
-    overlap_grad_reduce: bool = False
-    """zero 0/1 gradient reduction overlaps the backward (Megatron/DDP do);
-    this project's DataParallel reduces after the backward, so False."""
     flash_bwd_factor: float = 2.5
     """Backward / forward time of fused attention (it recomputes QK^T)."""
 
 
 # ----------------------------------------------------------------- ops
+def matmul_rate(hw, precision: str, m: float, k: float, n: float) -> float:
+    """Achievable FLOP/s of an (m x k) @ (k x n) GEMM.
+
+    With a measured curve (``giantmodel bench hw``) the rate is interpolated
+    at the GEMM's cube-root size. Otherwise: the large-GEMM efficiency, scaled
+    by how well the output's 128 x 128 tiles fill the device (half-filled at
+    ``matmul_tile_knee`` tiles, about one wave) and by the depth of the k loop
+    (half-rate at ``matmul_k_knee``)."""
+    curve = (hw.matmul_curve or {}).get(precision)
+    if curve:
+        size = (m * k * n) ** (1.0 / 3.0)
+        sizes = [p[0] for p in curve]
+        i = bisect.bisect_left(sizes, size)
+        if i == 0:
+            return curve[0][1] * size / sizes[0]   # below the smallest measured: scale down
+        if i == len(curve):
+            return curve[-1][1]
+        (s0, r0), (s1, r1) = curve[i - 1], curve[i]
+        w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return r0 + w * (r1 - r0)
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    eff = (hw.matmul_efficiency * tiles / (tiles + hw.matmul_tile_knee)
+           * k / (k + hw.matmul_k_knee))
+    return hw.flops(precision) * eff
+
+
 def gemm_time(hw, precision: str, m: float, k: float, n: float) -> float:
     c = DTYPE_BYTES[precision]
-    flops = 2.0 * m * k * n
-    shape = min(m, k, n)
-    eff = hw.matmul_efficiency * shape / (shape + hw.matmul_knee)
-    t_math = flops / (hw.flops(precision) * eff)
+    t_math = 2.0 * m * k * n / matmul_rate(hw, precision, m, k, n)
     t_mem = c * (m * k + k * n + m * n) / (hw.memory_bw * hw.memory_efficiency)
     return max(t_math, t_mem)
 
@@ -96,9 +140,43 @@ class LayerTime:
         return self.fwd + self.bwd + self.recompute
 
 
-def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> LayerTime:
+def _tp_cp_comm(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float, float]:
+    """(forward, backward, selective re-run) collective seconds of one block.
+    Tensor parallelism: per sub-block (attention, MLP) the row-parallel output
+    is all-reduced (reduce-scattered under sp) in the compute dtype; under sp
+    the fp32 norm output is all-gathered first. Backward mirrors it with the
+    fp32 input gradient. Context parallelism all-gathers K/V (compute dtype)
+    and reduce-scatters their gradients."""
+    t, cp, c = layout.tp, layout.cp, DTYPE_BYTES[layout.precision]
+    tokens = layout.micro_batch * layout.seq_len / cp
+    h = m.hidden_size
+    kv = m.kv_heads * m.dim_per_head
+    fwd = bwd = regather = 0.0
+    if t > 1:
+        if layout.sp:
+            gather_f = collective_time(hw, cluster, "all_gather", tokens * h * 4, t, 1)
+            fwd = 2 * (gather_f + collective_time(hw, cluster, "reduce_scatter", tokens * h * c, t, 1))
+            bwd = 2 * (collective_time(hw, cluster, "all_gather", tokens * h * c, t, 1)
+                       + collective_time(hw, cluster, "reduce_scatter", tokens * h * 4, t, 1))
+            regather = 2 * gather_f
+        else:
+            fwd = 2 * collective_time(hw, cluster, "all_reduce", tokens * h * c, t, 1)
+            bwd = 2 * collective_time(hw, cluster, "all_reduce", tokens * h * 4, t, 1)
+            regather = fwd   # selective re-runs the all-reduces (full-size results)
+    if cp > 1:
+        kv_bytes = layout.micro_batch * layout.seq_len * 2 * kv / t * c
+        gather = collective_time(hw, cluster, "all_gather", kv_bytes, cp, t)
+        fwd += gather
+        bwd += collective_time(hw, cluster, "reduce_scatter", kv_bytes, cp, t)
+        regather += gather
+    return fwd, bwd, regather
+
+
+def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
+               mode: str | None = None) -> LayerTime:
+    """One block, one micro-batch, under recompute ``mode`` (default: the layout's)."""
+    mode = mode or layout.recompute
     t, cp, prec = layout.tp, layout.cp, layout.precision
-    c = DTYPE_BYTES[prec]
     tokens = layout.micro_batch * layout.seq_len / cp
     h, f = m.hidden_size, m.ffn_hidden_size
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
@@ -107,23 +185,21 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> La
             + gemm_time(hw, prec, tokens, h, mlp_in) + gemm_time(hw, prec, tokens, f / t, h))
     attn_flops = 2.0 * layout.micro_batch * layout.seq_len ** 2 * q / (t * cp)
     attn = attn_flops / (hw.flops(prec) * hw.attention_efficiency)
-    saved = sum(layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len,
-                                       t, layout.sp, cp).values())
-    elem = mem_time(hw, 2.0 * saved)   # each saved tensor written once, read once
-    tp_stride = 1
-    tp_comm = 2 * collective_time(hw, cluster, "all_reduce", tokens * h * c, t, tp_stride)
-    cp_comm = collective_time(hw, cluster, "all_gather", layout.micro_batch * layout.seq_len
-                              * 2 * kv / t * c, cp, t)
-    fwd = gemm + attn + elem + tp_comm + cp_comm
-    bwd = 2 * gemm + opts.flash_bwd_factor * attn + 2 * elem + tp_comm + cp_comm
-    if layout.recompute == "full":
-        rec = fwd
-    elif layout.recompute == "selective":
-        rec = attn + elem
+    none = sum(layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len,
+                                      t, layout.sp, cp).values())
+    elem = mem_time(hw, 2.0 * none)   # each saved tensor written once, read once
+    comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)
+    fwd = gemm + attn + elem + comm_f
+    bwd = 2 * gemm + opts.flash_bwd_factor * attn + 2 * elem + comm_b
+    if mode == "full":
+        rec, rec_comm = fwd, comm_f
+    elif mode == "selective":
+        kept = sum(layer_activation_bytes(m, prec, "selective", layout.micro_batch,
+                                          layout.seq_len, t, layout.sp, cp).values())
+        rec, rec_comm = mem_time(hw, 2.0 * max(0.0, none - kept)) + regather, regather
     else:
-        rec = 0.0
-    comm = 2 * (tp_comm + cp_comm) + (tp_comm + cp_comm if layout.recompute == "full" else 0)
-    return LayerTime(fwd, bwd, rec, comm)
+        rec, rec_comm = 0.0, 0.0
+    return LayerTime(fwd, bwd, rec, comm_f + comm_b + rec_comm)
 
 
 def edge_times(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float]:
@@ -168,111 +244,151 @@ def _bias_numel(table) -> int:
                and p.name.split(".")[-2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
 
 
-def _bubble_units(layout: Layout) -> float:
-    pp = layout.pp
-    if pp == 1:
-        return 0.0
+def _fill_drain_divisor(layout: Layout) -> float:
+    """How many times shorter than 1F1B's the schedule's fill and drain are:
+    interleaving by v virtual stages; ZB-H1 about a third; ZBV about a sixth."""
     if layout.schedule == "interleaved_1f1b":
-        return (pp - 1) / layout.virtual
+        return float(layout.virtual)
     if layout.schedule == "zero_bubble":
-        return (pp - 1) / 3.0   # ZB-H1: about a third of 1F1B's bubble
+        return 3.0
     if layout.schedule == "zbv":
-        return (pp - 1) / 6.0
-    return float(pp - 1)
+        return 6.0
+    return 1.0
 
 
-def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> list[float]:
-    lt = layer_time(m, layout, hw, cluster, opts)
+@dataclass
+class StageTime:
+    fwd: float
+    bwd: float
+    """Backward including recompute, per micro-batch."""
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd
+
+
+def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> list[StageTime]:
+    """Forward and backward time per micro-batch of each pipeline rank: its
+    blocks (each under its own recompute mode), the embedding / head on the
+    ranks that hold them, and the point-to-point transfers of every stage it
+    runs (the fp32 residual, sequence-sharded under sp)."""
+    times = {mode: layer_time(m, layout, hw, cluster, opts, mode)
+             for mode in {layout.recompute} | set(layout.recompute_layers or ())}
     emb, head = edge_times(m, layout, hw, cluster)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    hop = 2 * p2p_time(hw, cluster, tokens * m.hidden_size * 4 / (layout.tp if layout.sp else 1),
-                       layout.world // layout.pp)
+    hop = p2p_time(hw, cluster, tokens * m.hidden_size * 4 / (layout.tp if layout.sp else 1),
+                   layout.world // layout.pp)
     out = []
     for r in range(layout.pp):
         stages = layout.rank_stages(r)
-        n = sum(layout.stage_layers[s] for s in stages)
-        t = n * lt.total
+        f = b = 0.0
+        for mode, n in layout.layer_mode_counts(r).items():
+            f += n * times[mode].fwd
+            b += n * (times[mode].bwd + times[mode].recompute)
         if 0 in stages:
-            t += emb
+            f += emb / 3
+            b += 2 * emb / 3
         if layout.num_stages - 1 in stages:
-            t += head
+            f += head / 3
+            b += 2 * head / 3
         if layout.pp > 1:
-            t += hop * len(stages)
-        out.append(t)
+            f += hop * len(stages)
+            b += hop * len(stages)
+        out.append(StageTime(f, b))
     return out
 
 
-def dp_times(m, layout: Layout, hw, cluster: Cluster, compute_per_mb: float,
-             opts: PerfOptions) -> tuple[float, float]:
-    """(exposed data-parallel communication, optimizer step) per step."""
+def _local_params(m, layout: Layout) -> float:
     table = param_table(m)
-    per_stage = m.num_layers / layout.pp
-    local = (per_stage * table.layer_numel(layout.tp)
-             + (sum(_numel(p, layout.tp) for p in table.embed + table.head + table.final))
-             / layout.pp)
+    return (m.num_layers / layout.pp * table.layer_numel(layout.tp)
+            + sum(_numel(p, layout.tp) for p in table.embed + table.head + table.final)
+            / layout.pp)
+
+
+def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
+             fwd_bwd_per_mb: float) -> tuple[float, float]:
+    """(exposed data-parallel communication, optimizer step) per step; see the
+    module docstring for what overlaps what. On a CPU host nothing overlaps:
+    the collectives run on the same cores as the ranks' compute."""
+    if not offloads_to_host(hw):   # a CPU 'device': no spare engine to hide comm behind
+        bwd_per_mb = fwd_bwd_per_mb = 0.0
+    table = param_table(m)
+    local = _local_params(m, layout)
     c = DTYPE_BYTES[layout.precision]
     n = layout.dp * layout.cp
     stride = layout.tp
     shard = layout.dp_shard * layout.cp
-    if layout.zero <= 1:
-        t = collective_time(hw, cluster, "all_reduce", local * 4, n, stride)
-        exposed = max(0.0, t - 0.8 * compute_per_mb) if opts.overlap_grad_reduce else t
-        if layout.zero == 1:
+    bucket = min(layout.bucket_mb * MIB, local * 4)
+    exposed = 0.0
+    if n > 1 and layout.zero <= 2:
+        kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+        reduce = collective_time(hw, cluster, kind, local * 4, n, stride)
+        tail = collective_time(hw, cluster, kind, bucket, n, stride)
+        per_window = max(0.0, reduce - bwd_per_mb) + tail
+        exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
+        if layout.zero >= 1:   # updated parameters gathered after the step
             exposed += collective_time(hw, cluster, "all_gather", local * 4, n, stride)
-    else:
-        gathers = 1 if layout.zero == 2 else 2
-        per_mb = (gathers * collective_time(hw, cluster, "all_gather", local * c, shard, stride)
-                  + collective_time(hw, cluster, "reduce_scatter", local * 4, shard, stride))
-        exposed = layout.n_micro * max(0.0, per_mb - 0.9 * compute_per_mb)
+    elif n > 1:
+        unit = table.layer_numel(layout.tp)
+        passes = 2   # forward gathers; backward re-gathers (zero 3) and reduce-scatters
+        # FSDP2 copies each gather's shards in and the unsharded result out, and
+        # the gradients into and out of the reduce-scatter buffer
+        copies = mem_time(hw, 2 * local * (passes * c + 4))
+        per_mb = (passes * collective_time(hw, cluster, "all_gather", local * c, shard, stride)
+                  + collective_time(hw, cluster, "reduce_scatter", local * 4, shard, stride)
+                  + copies)
+        first = collective_time(hw, cluster, "all_gather", unit * c, shard, stride)
+        exposed = layout.n_micro * (first + max(0.0, per_mb - fwd_bwd_per_mb))
         if layout.dp_replicate > 1:
             exposed += collective_time(hw, cluster, "all_reduce", local * 4 / shard,
                                        layout.dp_replicate, stride * shard)
-        exposed += 2 * hw.latency_s * layout.n_micro
     opt_params = local / (n if layout.zero >= 1 else 1)
-    if layout.offload_optimizer:
-        gpn = cluster.gpus_per_node
-        opt = opt_params / (hw.cpu_adam_rate / gpn) + 8 * opt_params / hw.host_bw
+    if hw.adamw_rate:
+        opt = opt_params / hw.adamw_rate
     else:
         opt = mem_time(hw, 32 * opt_params)   # read p, g, m, v; write p, m, v; grad norm
     return exposed, opt
 
 
 def _numel(p, tp: int) -> int:
-    import math
     return math.prod(p.local_shape(tp))
 
 
 def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
                   opts: PerfOptions | None = None) -> PerfReport:
     opts = opts or PerfOptions()
-    stages = stage_times(m, layout, hw, cluster, opts)
-    t_mb = max(stages)
+    st = stage_times(m, layout, hw, cluster, opts)
+    totals = [s.total for s in st]
+    t_mb = max(totals)
     m_count = layout.n_micro
-    pipe = (m_count + _bubble_units(layout)) * t_mb
+    # 1F1B with uneven stages: the slowest rank sets the steady state; fill and
+    # drain pass once through every other rank (shortened by the schedule).
+    pipe = m_count * t_mb + (sum(totals) - t_mb) / _fill_drain_divisor(layout)
     bubble = pipe - m_count * t_mb
-    lt = layer_time(m, layout, hw, cluster, opts)
-    act_bytes = 0.0
-    if layout.offload_activations:
+    slow = st[totals.index(t_mb)]
+    if layout.offload_activations and offloads_to_host(hw):
         per = sum(layer_activation_bytes(m, layout.precision, layout.recompute, layout.micro_batch,
                                          layout.seq_len, layout.tp, layout.sp, layout.cp).values())
         act_bytes = 2 * per * max(layout.stage_layers)
         pipe += m_count * max(0.0, act_bytes / hw.host_bw - 0.7 * t_mb)
-    dp_exposed, opt = dp_times(m, layout, hw, cluster, t_mb, opts)
+    dp_exposed, opt = dp_times(m, layout, hw, cluster, slow.bwd, t_mb)
     step = pipe + dp_exposed + opt
     tokens = global_batch * layout.seq_len
     flops = model_flops_per_step(m, global_batch, layout.seq_len)
     world = layout.world
     peak = hw.flops(layout.precision)
-    n_layers_max = max(sum(layout.stage_layers[s] for s in layout.rank_stages(r))
-                       for r in range(layout.pp))
-    layer_comm = n_layers_max * lt.comm * m_count
+    comm_per_mb = 0.0
+    r = totals.index(t_mb)
+    for mode, n in layout.layer_mode_counts(r).items():
+        comm_per_mb += n * layer_time(m, layout, hw, cluster, opts, mode).comm
+    layer_comm = comm_per_mb * m_count
     single = _single_gpu_tokens_per_sec(m, layout, hw, cluster, opts)
     tps = tokens / step
     return PerfReport(
         step_s=step, tokens_per_sec=tps, tflops_per_gpu=flops / step / world / 1e12,
         mfu=flops / step / world / peak, comm_share=(dp_exposed + layer_comm) / step,
         bubble_share=bubble / step, scaling_efficiency=tps / (world * single),
-        stage_s=stages,
+        stage_s=totals,
         breakdown={"compute": m_count * t_mb - layer_comm, "tp_cp_comm": layer_comm,
                    "bubble": bubble, "dp_comm_exposed": dp_exposed, "optimizer": opt})
 
@@ -280,9 +396,7 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
 def _single_gpu_tokens_per_sec(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> float:
     """One GPU, same micro-batch and recompute, no parallelism and no
     communication (whether or not the model would fit)."""
-    from dataclasses import replace
     one = replace(layout, tp=1, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
-                  n_micro=1, stage_layers=(m.num_layers,), offload_activations=False,
-                  offload_optimizer=False)
-    t = stage_times(m, one, hw, Cluster(1, 1), opts)[0]
+                  n_micro=1, stage_layers=(m.num_layers,), offload_activations=False)
+    t = stage_times(m, one, hw, Cluster(1, 1), opts)[0].total
     return layout.micro_batch * layout.seq_len / t

@@ -20,13 +20,17 @@ def pipeline_report(m, layout: Layout, hw, cluster: Cluster,
     and the peak memory of the rank that runs it; plus the split that
     minimises the slowest stage and what it would change."""
     opts = opts or PerfOptions()
-    lt = layer_time(m, layout, hw, cluster, opts).total
+    modes = list(layout.recompute_layers or [layout.recompute] * m.num_layers)
+    per_mode = {mode: layer_time(m, layout, hw, cluster, opts, mode).total for mode in set(modes)}
+    block = [per_mode[mode] for mode in modes]   # each block under its own recompute mode
+    lt = sum(block) / len(block)
     emb, head = edge_times(m, layout, hw, cluster)
     ns = layout.num_stages
 
     def times(split):
-        return [n * lt + (emb if s == 0 else 0) + (head if s == ns - 1 else 0)
-                for s, n in enumerate(split)]
+        starts = [sum(split[:s]) for s in range(len(split))]
+        return [sum(block[starts[s]:starts[s] + n]) + (emb if s == 0 else 0)
+                + (head if s == ns - 1 else 0) for s, n in enumerate(split)]
 
     def owner(stage):
         return next(r for r in range(layout.pp) if stage in layout.rank_stages(r))

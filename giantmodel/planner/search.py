@@ -1,12 +1,14 @@
 """Layout search: enumerate, drop what does not fit, rank by throughput.
 
 For each (tp, cp, pp, virtual stages, dp, zero, hybrid group, micro-batch,
-sequence parallelism) the search tries recompute none, then selective, then
-full, and keeps the first that fits: the least recompute that fits. Only if
-none fits does it try activation offload, then optimizer offload (searched
-only when the config has an ``offload.optimizer`` key to write it to).
-Candidates are checked with the trainer's own layout validation before they
-are reported.
+sequence parallelism) the search tries recompute none, then a per-block mix
+(the least recompute time that fits, block by block, written as
+``recompute_layers``), then selective and full everywhere, and keeps the
+fastest that fits. Only if none fits does it try activation offload (on
+accelerators; on a CPU host offload moves nothing). There is no optimizer
+offload in the engine, so none is searched. Every field of a reported layout
+is written to the YAML it produces, and candidates are checked with the
+trainer's own layout validation before they are reported.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass, replace
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.core.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
+from giantmodel.planner.layer_recompute import layer_recompute_plan
 from giantmodel.planner.layout import Cluster, Layout, resolve_layout
-from giantmodel.planner.memory import MemoryReport, memory_report
+from giantmodel.planner.memory import MemoryReport, memory_report, offloads_to_host
 from giantmodel.planner.perf import PerfOptions, PerfReport, estimate_time
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -98,29 +101,65 @@ def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
                                         n_micro=n_micro, seq_len=seq, precision=cfg.precision,
                                         recompute=recompute,
                                         offload_activations=offload_activations,
-                                        offload_optimizer=False, stage_layers=split,
+                                        stage_layers=split,
                                         bucket_mb=cfg.parallel.bucket_mb)
 
 
-def least_recompute_that_fits(m, layout: Layout, hw, optimizer_offload: bool = False
+def least_recompute_that_fits(m, layout: Layout, hw, cluster: Cluster | None = None,
+                              opts: PerfOptions | None = None
                               ) -> tuple[Layout, MemoryReport] | None:
-    """The layout with the least recompute that fits; then, as last resorts,
-    activation offload and (when the config can express it) optimizer offload."""
-    for mode in RECOMPUTE_ORDER:
-        cand = replace(layout, recompute=mode)
-        mem = memory_report(m, cand, hw)
-        if mem.fits:
-            return cand, mem
-    fallbacks = [replace(layout, recompute="full", offload_activations=True)]
-    if optimizer_offload:
-        fallbacks.append(replace(layout, recompute="full", offload_optimizer=True))
-        fallbacks.append(replace(layout, recompute="full", offload_activations=True,
-                                 offload_optimizer=True))
-    for cand in fallbacks:
-        mem = memory_report(m, cand, hw)
-        if mem.fits:
-            return cand, mem
-    return None
+    """The layout with the least recompute that fits: none; else the per-block
+    mix with the least recompute time (when it is not simply one mode
+    everywhere); else selective, then full everywhere; as a last resort full
+    recompute with activation offload (only where offload frees device memory)."""
+    mem = memory_report(m, replace(layout, recompute="none", recompute_layers=None), hw)
+    if mem.fits:
+        return replace(layout, recompute="none", recompute_layers=None), mem
+    full = replace(layout, recompute="full", recompute_layers=None)
+    full_mem = memory_report(m, full, hw)
+    if not full_mem.fits:   # no mix fits either: only offload is left
+        if offloads_to_host(hw):
+            cand = replace(full, offload_activations=True)
+            mem = memory_report(m, cand, hw)
+            if mem.fits:
+                return cand, mem
+        return None
+    if cluster is not None:
+        mixed = mixed_recompute_layout(m, layout, hw, cluster, opts)
+        if mixed is not None:
+            mem = memory_report(m, mixed, hw)
+            if mem.fits:
+                return mixed, mem
+    sel = replace(layout, recompute="selective", recompute_layers=None)
+    mem = memory_report(m, sel, hw)
+    if mem.fits:
+        return sel, mem
+    return full, full_mem
+
+
+def mixed_recompute_layout(m, layout: Layout, hw, cluster: Cluster,
+                           opts: PerfOptions | None = None) -> Layout | None:
+    """``layout`` with the per-block recompute mix of
+    :func:`giantmodel.planner.layer_recompute.layer_recompute_plan`: on each
+    pipeline rank, its first blocks run full, the next ones selective, the
+    rest as they are. None when some rank does not fit even fully recomputed,
+    or when the mix is one mode everywhere (the global modes cover that)."""
+    plans = layer_recompute_plan(m, replace(layout, recompute_layers=None), hw, cluster, opts)
+    if any(p["plan"] is None for p in plans):
+        return None
+    modes = [""] * m.num_layers
+    starts = [sum(layout.stage_layers[:s]) for s in range(layout.num_stages)]
+    for p in plans:
+        blocks = [starts[s] + i for s in layout.rank_stages(p["pp_rank"])
+                  for i in range(layout.stage_layers[s])]
+        order = (["full"] * p["plan"]["full"] + ["selective"] * p["plan"]["selective"]
+                 + ["none"] * p["plan"]["none"])
+        for b, mode in zip(blocks, order):
+            modes[b] = mode
+    if len(set(modes)) == 1:
+        return None
+    return replace(layout, recompute=max(set(modes), key=RECOMPUTE_ORDER.index),
+                   recompute_layers=tuple(modes))
 
 
 def search(cfg, hw, cluster: Cluster, opts: PerfOptions | None = None,
@@ -130,13 +169,10 @@ def search(cfg, hw, cluster: Cluster, opts: PerfOptions | None = None,
     m = cfg.model
     found: list[Candidate] = []
     start = time.monotonic()
-    # Optimizer offload is only searched when the config has a key for it,
-    # so that every reported layout can be written as a runnable YAML.
-    opt_offload = hasattr(cfg.offload, "optimizer")
     for layout in enumerate_layouts(cfg, cluster):
         if time.monotonic() - start > time_budget_s:
             break
-        res = least_recompute_that_fits(m, layout, hw, opt_offload)
+        res = least_recompute_that_fits(m, layout, hw, cluster, opts)
         if res is None:
             continue
         cand, mem = res
@@ -155,14 +191,17 @@ def apply_layout(cfg, layout: Layout):
     p.dp = layout.dp
     p.pp_virtual = layout.virtual
     p.pp_schedule = layout.schedule
-    p.pp_layers = None
+    # the split the planner costed, written out so the trainer runs that one
+    p.pp_layers = list(layout.stage_layers) if layout.num_stages > 1 else None
     p.pp_microbatches = None
     p.shard_group_size = layout.dp_shard if (layout.zero and layout.dp_shard < layout.dp) else None
+    p.bucket_mb = layout.bucket_mb
     out.train.micro_batch_size = layout.micro_batch
+    out.train.seq_len = layout.seq_len
+    out.precision = layout.precision
     out.recompute = layout.recompute
+    out.recompute_layers = list(layout.recompute_layers) if layout.recompute_layers else None
     out.offload.activations = layout.offload_activations
-    if hasattr(out.offload, "optimizer"):
-        out.offload.optimizer = layout.offload_optimizer
     return out
 
 
@@ -199,7 +238,7 @@ def smallest_fitting_cluster(cfg, hw, gpus_per_node: int, max_nodes: int = 4096)
                                 zero=3 if dp > 1 else 0, virtual=1, schedule="1f1b",
                                 micro_batch=1, n_micro=pp, seq_len=cfg.train.seq_len,
                                 precision=cfg.precision, recompute="full",
-                                offload_activations=True, offload_optimizer=False,
+                                offload_activations=offloads_to_host(hw),
                                 stage_layers=_split(m, cfg.train.seq_len, pp),
                                 bucket_mb=cfg.parallel.bucket_mb)
                 if memory_report(m, layout, hw).fits:

@@ -16,8 +16,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -128,10 +129,10 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float,
                         rank, ok, value = queue.get()
                         if not ok:
                             raise RankFailure(f"rank {rank} failed:\n{value}",
-                                              _peer_exit_codes(procs, rank))
+                                              _peer_exit_codes(procs, rank)) from None
                         results[rank] = pickle.loads(value)
                     codes = {r: procs[r].exitcode for r in dead}
-                    raise RankFailure(f"ranks {dead} exited with codes {codes}", codes)
+                    raise RankFailure(f"ranks {dead} exited with codes {codes}", codes) from None
                 continue
             if not ok:
                 codes = _peer_exit_codes(procs, rank)

@@ -16,6 +16,10 @@ import time
 
 import torch
 
+from giantmodel.config import JobConfig, load_config
+from giantmodel.metrics.flops import peak_flops
+from giantmodel.train.trainer import Trainer
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", help="YAML job config (default: embedded tiny LLaMA)")
@@ -32,10 +36,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(cfg, warmup: int, steps: int) -> dict:
-    from giantmodel.metrics.flops import flops_per_token, peak_flops
-    from giantmodel.train.trainer import Trainer
-
+def measure(cfg: JobConfig, warmup: int, steps: int) -> dict:
+    """Throughput of ``steps`` training steps after ``warmup`` ones, in the
+    objective's units (tokens for a language model)."""
     trainer = Trainer(cfg)
     try:
         for _ in range(warmup):
@@ -50,14 +53,15 @@ def measure(cfg, warmup: int, steps: int) -> dict:
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / steps
         t = cfg.train
-        tokens_per_sec = t.global_batch_size * t.seq_len / dt
+        unit, per_step = trainer.objective.step_units()
+        rate = per_step / dt
         world = trainer.info.world_size
-        flops = flops_per_token(cfg.model, t.seq_len) * tokens_per_sec / world
+        flops = trainer.objective.flops_per_unit() * rate / world
         peak = peak_flops(trainer.device, cfg.precision)
         return {"model": cfg.model.name, "world_size": world, "device": trainer.device.type,
                 "precision": cfg.precision, "seq_len": t.seq_len,
-                "global_batch_size": t.global_batch_size, "step_time_s": dt,
-                "tokens_per_sec": tokens_per_sec, "tflops_per_device": flops / 1e12,
+                "global_batch_size": t.global_batch_size, "step_time_s": dt, "unit": unit,
+                f"{unit}_per_sec": rate, "tflops_per_device": flops / 1e12,
                 "mfu": flops / peak if peak else 0.0,
                 "peak_memory_bytes": peak_memory_bytes(trainer.device), "final_loss": out["loss"]}
     finally:
@@ -65,8 +69,6 @@ def measure(cfg, warmup: int, steps: int) -> dict:
 
 
 def main(args) -> int:
-    from giantmodel.config import load_config
-
     run_dir = tempfile.mkdtemp(prefix="giantmodel-bench-")
     overrides = [f"run.dir={run_dir}", "checkpoint.every=0", "checkpoint.save_final=false",
                  "checkpoint.resume=false", "train.eval_every=0", "run.tensorboard=false",
@@ -76,7 +78,8 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        rows = [("tokens/s", f"{result['tokens_per_sec']:,.0f}"),
+        unit = result["unit"]
+        rows = [(f"{unit}/s", f"{result[unit + '_per_sec']:,.0f}"),
                 ("TFLOP/s per device", f"{result['tflops_per_device']:.3f}"),
                 ("MFU", f"{result['mfu']:.1%}"),
                 ("step time", f"{result['step_time_s'] * 1e3:.1f} ms"),

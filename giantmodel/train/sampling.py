@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from giantmodel.checkpoint import CheckpointManager, load_model_weights
+from giantmodel.config import load_config
 from giantmodel.config.errors import UserInputError
+from giantmodel.data import build_tokenizer
+from giantmodel.data.tokenizer import load_tokenizer
+from giantmodel.models import build_model, init_weights
+from giantmodel.models.generate import generate_text
+from giantmodel.models.hf import from_hf
 
 
 def _run_dir_of(checkpoint: Path) -> Path:
@@ -14,16 +21,12 @@ def _run_dir_of(checkpoint: Path) -> Path:
 
 def load_for_generation(args):
     """(model, tokenizer) for the source the user named."""
-    from giantmodel.models import build_model, init_weights
 
     if args.hf:
-        from giantmodel.models.hf import from_hf
         model = from_hf(args.hf)
         tok_path = args.tokenizer or _find_hf_tokenizer(Path(args.hf))
-        from giantmodel.data.tokenizer import load_tokenizer
         return model, load_tokenizer(tok_path)
 
-    from giantmodel.checkpoint import CheckpointManager, load_model_weights
 
     if args.run_dir:
         run_dir = Path(args.run_dir)
@@ -42,16 +45,13 @@ def load_for_generation(args):
     init_weights(model, cfg.model, seed=0)
     load_model_weights([model], str(ckpt))
     if args.tokenizer:
-        from giantmodel.data.tokenizer import load_tokenizer
         tok = load_tokenizer(args.tokenizer)
     else:
-        from giantmodel.data import build_tokenizer
         tok = build_tokenizer(cfg.data)
     return model, tok
 
 
 def _run_config(run_dir: Path):
-    from giantmodel.config import load_config
 
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -67,7 +67,6 @@ def _find_hf_tokenizer(path: Path) -> str:
 
 
 def generate_from_args(args) -> str:
-    from giantmodel.models.generate import generate_text
 
     model, tok = load_for_generation(args)
     return generate_text(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,

@@ -15,18 +15,29 @@ from pathlib import Path
 
 import torch
 
-from giantmodel.config import dump_config
-from giantmodel.config.errors import ConfigError
-from giantmodel.data.checks import check_data
-from giantmodel.distributed.init import (HostLostError, describe_lost_peer, gather_peer_hosts,
-                                         init_distributed, pick_device, shutdown_distributed,
-                                         world_info)
-from giantmodel.distributed.parallel_dims import ParallelDims
-from giantmodel.distributed.placement import resolve_placement
-from giantmodel.metrics.flops import flops_per_token, peak_flops
-from giantmodel.metrics.logger import MetricsLogger
+from giantmodel.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState
+from giantmodel.comm import backend_for
+from giantmodel.comm.autotune import tune
+from giantmodel.config import JobConfig, dump_config
 from giantmodel.core.optim import SchedulerState, build_scheduler
 from giantmodel.core.precision import Precision
+from giantmodel.data.checks import check_data
+from giantmodel.distributed.init import (
+    HostLostError,
+    describe_lost_peer,
+    gather_peer_hosts,
+    init_distributed,
+    pick_device,
+    shutdown_distributed,
+    world_info,
+)
+from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.distributed.placement import resolve_placement
+from giantmodel.metrics.flops import peak_flops
+from giantmodel.metrics.logger import MetricsLogger
+from giantmodel.objectives import build_objective
+from giantmodel.parallel.engine import TrainEngine
+from giantmodel.parallel.objective import BaseObjective, check_supported
 
 log = logging.getLogger("giantmodel")
 
@@ -49,70 +60,75 @@ class TrainerState:
         self.precision.load_state_dict(state["precision"])
 
 
-class Trainer:
-    def __init__(self, cfg):
-        from giantmodel.data import build_loaders, vocab_size_of
+def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, BaseObjective]:
+    """Every check on user input, before any process group exists: the
+    config's values, the files it names, the layout for ``world_size`` ranks
+    (pipeline included), and what the objective's model supports."""
+    cfg.validate()
+    check_data(cfg.data)
+    dims = ParallelDims.from_config(cfg, world_size)
+    objective = build_objective(cfg)
+    check_supported(objective, tp=dims.tp, cp=dims.cp, pp=dims.pp)
+    return dims, objective
 
+
+def build_engine(cfg: JobConfig, objective: BaseObjective, dims: ParallelDims, device: torch.device,
+                 bucket_mb: float | None = None) -> TrainEngine:
+    """The engine for ``cfg``'s layout (``bucket_mb``: a tuned bucket size,
+    else ``parallel.bucket_mb``)."""
+    return TrainEngine(objective, dims, device, parallel=cfg.parallel, recompute=cfg.recompute,
+                       recompute_layers=cfg.recompute_layers, offload=cfg.offload,
+                       compile=cfg.train.compile, precision=cfg.precision,
+                       bucket_mb=bucket_mb if bucket_mb is not None else cfg.parallel.bucket_mb)
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.info = world_info()
         self.peers, self.placement = [], None
-        cfg.validate()
-        check_data(cfg.data)
-        self.dims = ParallelDims.from_config(cfg, self.info.world_size)
-        vocab = vocab_size_of(cfg.data)
-        if vocab is not None and vocab > cfg.model.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {vocab} tokens but model.vocab_size is "
-                f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}", "model.vocab_size")
+        self.dims, self.objective = preflight(cfg, self.info.world_size)
         self.run_dir = Path(cfg.run.dir)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
 
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
-        from giantmodel.comm import backend_for
         backend, pg_options = backend_for(cfg.comm, self.device.type)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
         if self.info.world_size > 1:
             self.peers = gather_peer_hosts()
             self.placement = resolve_placement(cfg, self.dims, backend, log=self._print)
             self.dims.build_mesh(self.device.type)
-            self._tune_buckets()
         torch.manual_seed(cfg.train.seed)
-
-        from giantmodel.parallel.engine import build_engine
-        self.engine = build_engine(cfg, self.dims, self.device)
+        self.bucket_mb = self._bucket_mb()
+        self.engine = build_engine(cfg, self.objective, self.dims, self.device, self.bucket_mb)
         self.optimizer = self.engine.build_optimizer(cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.precision = Precision(cfg.precision, self.device.type)
         self.state = TrainerState(self.precision)
-        self.train_loader, self.val_loader = build_loaders(
-            cfg.data, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.engine.data_rank,
-            dp_size=self.engine.data_world, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size)
+        self.train_loader, self.val_loader = self.objective.build_loaders(
+            dp_rank=self.engine.data_rank, dp_size=self.engine.data_world)
         self.microbatches = self.dims.microbatches(cfg.train)
         self.metrics = MetricsLogger(self.run_dir, self.info.is_rank0, cfg.run.tensorboard,
                                      cfg.run.progress, cfg.train.steps)
         self._stop_requested = False
         self._setup_checkpointing()
 
-    def _tune_buckets(self) -> None:
-        """On the giant backend, measure (or load the cached) gradient bucket
-        size for this machine, model and world, and use it for data parallelism."""
+    def _bucket_mb(self) -> float:
+        """The gradient bucket size for this run: on the giant backend,
+        measured (or loaded from the tuning cache) for this machine, model
+        and data-parallel group; otherwise ``parallel.bucket_mb``."""
         cfg = self.cfg
-        if cfg.comm.backend != "giant" or self.dims.dp == 1:
-            return
-        from giantmodel.comm.autotune import tune
-
-        choice = tune(self.dims.group("dp"), cfg.comm, cfg.model.name, cfg.model.num_params())
-        cfg.parallel.bucket_mb = choice.bucket_mb
+        if cfg.comm.backend != "giant" or self.dims.dp * self.dims.cp == 1:
+            return cfg.parallel.bucket_mb
+        choice = tune(self.dims.group("dp_cp"), cfg.comm, cfg.model.name, cfg.model.num_params())
         self._print(f"comm: gradient buckets of {choice.bucket_mb:g} MiB "
                     f"({'cached' if choice.from_cache else 'tuned' if cfg.comm.autotune else 'fixed'})")
+        return choice.bucket_mb
 
     # ------------------------------------------------------------ checkpoints
     def _setup_checkpointing(self) -> None:
-        from giantmodel.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState
-
         cfg = self.cfg
         if self.info.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,8 +148,7 @@ class Trainer:
             self.ckpt.load(self.ckpt_state, latest)
             self._print(f"resumed from {self.run_dir / 'checkpoints'} at step {self.state.step}")
         elif cfg.checkpoint.init_from:
-            from giantmodel.checkpoint import load_model_weights
-            load_model_weights(self.engine.parts, cfg.checkpoint.init_from)
+            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
             self._print(f"initialised weights from {cfg.checkpoint.init_from}")
 
     def _save(self) -> None:
@@ -144,7 +159,7 @@ class Trainer:
         if self.info.is_rank0:
             print(text, flush=True)
 
-    def _request_stop(self, signum, frame) -> None:  # noqa: ARG002 - signal API
+    def _request_stop(self, signum, frame) -> None:
         # Slurm and torchrun send SIGTERM before killing: finish the step,
         # checkpoint, and exit cleanly instead of losing work.
         self._stop_requested = True
@@ -161,7 +176,7 @@ class Trainer:
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
         self.state.step += 1
-        self.state.tokens_seen += self.cfg.train.global_batch_size * self.cfg.train.seq_len
+        self.state.tokens_seen += self.objective.step_units()[1]
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
 
     def evaluate(self) -> float:
@@ -169,8 +184,8 @@ class Trainer:
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        tokens_per_step = t.global_batch_size * t.seq_len
-        flops_tok = flops_per_token(cfg.model, t.seq_len)
+        unit, units_per_step = self.objective.step_units()
+        flops_per_unit = self.objective.flops_per_unit()
         peak = peak_flops(self.device, cfg.precision) * self.info.world_size
         old_handler = signal.signal(signal.SIGTERM, self._request_stop)
         self._print(f"giantmodel: {cfg.model.name} ({cfg.model.num_params() / 1e6:.1f}M params) "
@@ -189,19 +204,19 @@ class Trainer:
                 last = step == t.steps
                 if step % t.log_every == 0 or step == 1 or last:
                     dt = (time.perf_counter() - window_t0) / window_steps
-                    tps = tokens_per_step / dt
+                    tps = units_per_step / dt
                     record = {"step": step, "loss": out["loss"], "lr": out["lr"],
-                              "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
-                              "mfu": flops_tok * tps / peak if peak else 0.0,
-                              "step_time_s": dt, "tokens": self.state.tokens_seen}
+                              "grad_norm": out["grad_norm"], f"{unit}_per_sec": tps,
+                              "mfu": flops_per_unit * tps / peak if peak else 0.0,
+                              "step_time_s": dt, unit: self.state.tokens_seen}
                     if cfg.precision == "fp16":
                         record["loss_scale"] = self.precision.scale
                     self.metrics.log(record)
-                    self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} tok/s")
+                    self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s")
                     if not sys.stderr.isatty():
                         self._print(f"step {step}/{t.steps} loss {out['loss']:.4f} "
                                     f"lr {out['lr']:.2e} gnorm {out['grad_norm']:.3f} "
-                                    f"{tps:,.0f} tok/s mfu {record['mfu']:.1%}")
+                                    f"{tps:,.0f} {unit}/s mfu {record['mfu']:.1%}")
                     window_t0, window_steps = time.perf_counter(), 0
                 if t.eval_every and (step % t.eval_every == 0 or last):
                     val = self.evaluate()
@@ -226,18 +241,10 @@ class Trainer:
         summary["step"] = self.state.step
         return summary
 
-    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str | None:
-        """Text generated by the trained model (single-process runs only)."""
+    def sample(self) -> str | None:
+        """What the objective shows after training (single-process runs only)."""
         model = self.engine.full_model
-        n = self.cfg.train.sample_tokens if max_new_tokens is None else max_new_tokens
-        if model is None or n == 0:
-            return None
-        from giantmodel.data import build_tokenizer
-        from giantmodel.models.generate import generate_text
-
-        tok = build_tokenizer(self.cfg.data)
-        return generate_text(model, tok, prompt if prompt is not None else self.cfg.train.sample_prompt,
-                             max_new_tokens=n, seed=self.cfg.train.seed)
+        return None if model is None else self.objective.sample(model)
 
     def close(self) -> None:
         self.ckpt.close()
@@ -245,12 +252,12 @@ class Trainer:
         shutdown_distributed()
 
 
-def run_training(cfg) -> dict:
+def run_training(cfg: JobConfig) -> dict:
     """Train, print a sample on rank 0, and tear down: what ``giantmodel train`` runs."""
     trainer = Trainer(cfg)
     try:
         summary = trainer.train()
-        if trainer.info.is_rank0 and cfg.train.sample_tokens:
+        if trainer.info.is_rank0:
             text = trainer.sample()
             if text is not None:
                 print("\n----- sample -----\n" + text + "\n------------------", flush=True)

@@ -42,6 +42,23 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
+    def keep_stage(self, layers: range, first: bool, last: bool) -> None:
+        """Cut this model down, in place, to one pipeline stage: the blocks in
+        ``layers``, plus the embeddings on the first stage and the final
+        norm and head on the last. Names stay those of the whole model."""
+        if not first:
+            self.tok_embeddings = None
+            self.pos_embeddings = None
+            # Embedding dropout belongs to the first stage only; later stages
+            # get hidden states that already went through it.
+            self.embed_dropout = nn.Identity()
+        if not last:
+            self.norm = None
+            self.output = None
+        for i in range(self.cfg.num_layers):
+            if i not in layers:
+                del self.layers[str(i)]
+
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         if self.uses_rope:
             c = self.cfg

@@ -134,3 +134,16 @@ class CommCounter(TorchDispatchMode):
             self.calls[kind] += 1
             self.log.append((kind, name, n))
         return out
+
+
+# Per-rank bytes sent by a bandwidth-optimal (ring) implementation, as a
+# multiple of the logical buffer size above, for a group of n ranks.
+_RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
+         "all_to_all": lambda n: (n - 1) / n}
+
+
+def ring_bytes(log: list[tuple[str, str, int]], group_size: int) -> float:
+    """Bytes each rank puts on the wire for the collectives in ``log`` (a
+    :class:`CommCounter` log), all issued on groups of ``group_size`` ranks."""
+    return sum(_RING[kind](group_size) * n for kind, _, n in log)

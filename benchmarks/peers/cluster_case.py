@@ -1,0 +1,145 @@
+"""Case 2: 2 emulated hosts x 2 ranks (giantmodel.testing.cluster: network
+namespaces, tc-shaped links), dp4 at ZeRO 1/2/3, at 1 Gbit/s and 200 Mbit/s
+between hosts. Ranks 0,1 on host0 and 2,3 on host1, started srun-style.
+
+Systems: giantmodel at its defaults (gloo), giantmodel with the giant
+backend (hierarchical across the emulated hosts: it finds them by host name),
+DeepSpeed at its defaults, and DeepSpeed with its best documented settings
+(``overlap_comm``, ``contiguous_gradients``, 50M-element buckets). Ratios are
+giantmodel-giant over each DeepSpeed variant, median of the alternating reps.
+
+    PYTHONPATH=. python benchmarks/peers/cluster_case.py --rates 1000,200 --json c.json
+
+Needs root and the tools the harness names; prints why not and exits 0
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workload
+
+DS_TUNED = {"zero_optimization": {"overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": 50_000_000,
+                                  "allgather_bucket_size": 50_000_000}}
+HOSTS = [[0, 1], [2, 3]]
+
+
+def systems(ds_python: Path) -> dict[str, list]:
+    gm = [sys.executable, HERE / "gm_side.py"]
+    ds = [ds_python, HERE / "ds_side.py"]
+    return {"giantmodel": gm, "giantmodel-giant": gm + ["--set", "comm.backend=giant"],
+            "deepspeed": ds, "deepspeed-tuned": ds + ["--ds-config", json.dumps(DS_TUNED)]}
+
+
+def run_one(cluster, argv: list, case: workload.Case, out: Path, env: dict,
+            timeout: float) -> dict:
+    t0 = time.perf_counter()
+    procs = cluster.popen_ranks(HOSTS, [str(a) for a in argv], env=env)
+    try:
+        codes = cluster.wait_all(procs, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a hung run is a result too
+        return {"error": f"{type(e).__name__}: {e}"}
+    files = [Path(f"{out}.rank{r}") for r in range(case.ranks)]
+    if any(codes) or not all(f.is_file() for f in files):
+        return {"error": f"exit codes {codes}"}
+    per_rank = [json.loads(f.read_text()) for f in files]
+    step = max(sum(r["step_times"]) / len(r["step_times"]) for r in per_rank)
+    return {"tokens_per_sec": case.global_batch * workload.seq_len(case) / step,
+            "loss": per_rank[0]["losses"][-1], "wall_s": time.perf_counter() - t0,
+            "peak_rss_mib": [round(r["peak_rss"] / 2**20, 1) for r in per_rank]}
+
+
+def run(ds_python: Path, rates: list[int], stages: list[int], reps: int, steps: int,
+        env: dict, tmp: Path, say=print, timeout: float = 600) -> dict:
+    from giantmodel.testing.cluster import EmulatedCluster, Link, unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        say(f"[peers] case 2 (emulated 2-host cluster) skipped: {why}")
+        return {"skipped": why}
+    out: dict = {"rates_mbit": rates, "results": []}
+    cmds = systems(ds_python)
+    for rate in rates:
+        with EmulatedCluster(2, link=Link(rate_mbit=rate)) as c:
+            for z in stages:
+                case = workload.find_case(f"2host-zero{z}")
+                runs: dict[str, list] = {s: [] for s in cmds}
+                for rep in range(reps):
+                    order = list(cmds) if rep % 2 == 0 else list(reversed(cmds))
+                    for system in order:
+                        path = tmp / f"{rate}-{case.name}-{system}-{rep}.json"
+                        argv = [*cmds[system], "--case", case.name, "--steps", steps,
+                                "--warmup", 2, "--rank-from-env", "--out", path]
+                        r = run_one(c, argv, case, path, env, timeout)
+                        runs[system].append(r)
+                        say(f"  {rate} Mbit/s {case.name} rep {rep + 1} {system:<17} "
+                            + (r.get("error") or f"{r['tokens_per_sec']:,.0f} tok/s, "
+                               f"loss {r['loss']:.5f}  ({r['wall_s']:.0f} s)"))
+                out["results"].append({"rate_mbit": rate, "case": case.name, "runs": runs,
+                                       "ratios": _ratios(runs)})
+    return out
+
+
+def _ratios(runs: dict) -> dict:
+    out = {}
+    gm = runs["giantmodel-giant"]
+    for peer in ("deepspeed", "deepspeed-tuned"):
+        pairs = [(g, d) for g, d in zip(gm, runs[peer]) if "error" not in g and "error" not in d]
+        if pairs:
+            out[f"giant/{peer}"] = statistics.median(
+                g["tokens_per_sec"] / d["tokens_per_sec"] for g, d in pairs)
+    base = [(g, d) for g, d in zip(runs["giantmodel"], runs["deepspeed"])
+            if "error" not in g and "error" not in d]
+    if base:
+        out["default/deepspeed"] = statistics.median(
+            g["tokens_per_sec"] / d["tokens_per_sec"] for g, d in base)
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = ["| link | case | gm default / DS | gm giant / DS default | gm giant / DS tuned |",
+             "|---|---|---|---|---|"]
+    for r in result.get("results", []):
+        q = {k: f"{v:.2f}x" for k, v in r["ratios"].items()}
+        cells = [q.get(k, "error") for k in
+                 ("default/deepspeed", "giant/deepspeed", "giant/deepspeed-tuned")]
+        lines.append(f"| {r['rate_mbit']} Mbit/s | {r['case']} | {cells[0]} | "
+                     f"**{cells[1]}** | **{cells[2]}** |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import tempfile
+
+    import venvs
+    from run import _env
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="1000,200")
+    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--json")
+    a = p.parse_args()
+    ds_python = venvs.ensure(venvs.DEEPSPEED)
+    with tempfile.TemporaryDirectory(prefix="gm-peers-cluster-") as tmp:
+        result = run(ds_python, [int(x) for x in a.rates.split(",")],
+                     [int(x) for x in a.stages.split(",")], a.reps, a.steps, _env(), Path(tmp))
+    print(format_table(result))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The language-model objective: next-token prediction for LLaMA and GPT.
+
+Pretraining and supervised fine-tuning both train this objective; they differ
+only in their data (which tokens carry a label). The model is a plain
+decoder (:mod:`giantmodel.models`); this class adds what the engine needs:
+Megatron-style tensor parallelism with a vocabulary-parallel head and loss,
+causal context parallelism over sequence shards, pipeline stages with the
+token embedding and output head on the first and last stage, and tied
+embeddings across stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from giantmodel.checkpoint import load_model_weights
+from giantmodel.config.data import DataConfig
+from giantmodel.config.errors import ConfigError
+from giantmodel.config.model import ModelConfig
+from giantmodel.config.schema import JobConfig
+from giantmodel.config.train import TrainConfig
+from giantmodel.core.loss import IGNORE_INDEX
+from giantmodel.data import build_loaders, build_tokenizer, vocab_size_of
+from giantmodel.metrics.flops import flops_per_token
+from giantmodel.models import build_model, init_weights
+from giantmodel.models.generate import generate_text
+from giantmodel.models.registry import copy_full_into, full_init_tensor
+from giantmodel.parallel.context import apply_context_parallel, balanced_positions, shard_sequence
+from giantmodel.parallel.objective import BaseObjective, StageSpec
+from giantmodel.parallel.tensor import (
+    apply_tensor_parallel,
+    loss_parallel_context,
+    vocab_parallel_cross_entropy,
+)
+
+_EMBEDDING, _HEAD = "tok_embeddings.weight", "output.weight"
+
+
+class LanguageModel(BaseObjective):
+    name = "lm"
+    supports = frozenset({"tp", "cp", "pp"})
+
+    def __init__(self, model: ModelConfig, *, data: DataConfig, train: TrainConfig):
+        self.model_cfg = model
+        self.data_cfg = data
+        self.train_cfg = train
+        self.seed = train.seed
+        self._vocab_parallel = False
+        self._cp_mesh = None
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> LanguageModel:
+        vocab = vocab_size_of(cfg.data)
+        if vocab is not None and vocab > cfg.model.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {vocab} tokens but model.vocab_size is "
+                f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}", "model.vocab_size")
+        return cls(cfg.model, data=cfg.data, train=cfg.train)
+
+    # ------------------------------------------------------------ the model
+    def build(self, stage: StageSpec) -> nn.Module:
+        model = build_model(self.model_cfg, device="meta")
+        if not stage.whole:
+            model.keep_stage(stage.layers, stage.first, stage.last)
+        return model
+
+    def blocks(self, module: nn.Module) -> list[str]:
+        return [f"layers.{k}" for k in module.layers]
+
+    def edge_units(self, module: nn.Module) -> list[list[nn.Module]]:
+        if self.model_cfg.tie_embeddings:
+            return []  # a shared embedding/head weight must live in one unit: the root
+        emb = [m for m in (module.tok_embeddings, module.pos_embeddings) if m is not None]
+        head = [m for m in (module.norm, module.output) if m is not None]
+        return [unit for unit in (emb, head) if unit]
+
+    def apply_tensor_parallel(self, module: nn.Module, tp_mesh, *, sp: bool) -> None:
+        apply_tensor_parallel(module, tp_mesh, sp)
+        self._vocab_parallel = True
+
+    def apply_context_parallel(self, module: nn.Module, cp_mesh) -> None:
+        apply_context_parallel(list(module.layers.values()), cp_mesh)
+        self._cp_mesh = cp_mesh
+
+    def init_weights(self, module: nn.Module, device: torch.device) -> None:
+        init_weights(module, self.model_cfg, self.seed, device=device)
+        if self.model_cfg.tie_embeddings and module.output is not None and module.tok_embeddings is None:
+            # A last stage without the embedding holds the head as a copy of
+            # it: give it the embedding's draw, as the single-process tied model has.
+            copy_full_into(module.output.weight, full_init_tensor(
+                _EMBEDDING, module.output.weight.shape, self.model_cfg, self.seed))
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        return [(_EMBEDDING, _HEAD)] if self.model_cfg.tie_embeddings else []
+
+    # ------------------------------------------------------------- the loss
+    def loss_units(self, batch: dict) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def _local_inputs(self, batch: dict, device: torch.device):
+        """(ids, labels, positions) for this rank: its two load-balanced
+        sequence chunks under context parallelism."""
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        if self._cp_mesh is None:
+            return ids, labels, None
+        cp, rank = self._cp_mesh.size(), self._cp_mesh.get_local_rank()
+        positions = balanced_positions(ids.shape[1], cp, rank, device)
+        return shard_sequence(ids, cp, rank), shard_sequence(labels, cp, rank), positions
+
+    def loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, labels, positions = self._local_inputs(batch, _device_of(module))
+        return vocab_parallel_cross_entropy(module(ids, positions), labels)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        return loss_parallel_context(self._vocab_parallel)
+
+    def stage_inputs(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+        device = batch["input_ids"].device
+        ids, labels, positions = self._local_inputs(batch, device)
+        kwargs = {}
+        if positions is not None:
+            # Every stage needs the absolute positions of its sequence chunks
+            # (RoPE / learned positions); [B, t] so they split with the batch.
+            kwargs["positions"] = positions.expand(ids.shape[0], -1)
+        return (ids,), kwargs, labels
+
+    def stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(output, target)[0]
+
+    # ------------------------------------------------------- around training
+    def build_loaders(self, *, dp_rank: int, dp_size: int):
+        t = self.train_cfg
+        return build_loaders(self.data_cfg, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                             micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
+                             dp_size=dp_size, seed=t.seed, vocab_size=self.model_cfg.vocab_size)
+
+    def load_pretrained(self, parts: list[nn.Module], path: str | Path) -> Path:
+        return load_model_weights(parts, path)
+
+    def step_units(self) -> tuple[str, int]:
+        return "tokens", self.train_cfg.global_batch_size * self.train_cfg.seq_len
+
+    def flops_per_unit(self) -> float:
+        return flops_per_token(self.model_cfg, self.train_cfg.seq_len)
+
+    def sample(self, model: nn.Module) -> str | None:
+        t = self.train_cfg
+        if not t.sample_tokens:
+            return None
+        return generate_text(model, build_tokenizer(self.data_cfg), t.sample_prompt,
+                             max_new_tokens=t.sample_tokens, seed=t.seed)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")

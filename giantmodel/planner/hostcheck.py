@@ -1,0 +1,182 @@
+"""The planner against real training steps on this host (CPU ranks).
+
+``check_rank`` is a :func:`giantmodel.testing.run_ranks` target: every rank
+first measures the host as a planner profile (``hwbench.measure``, with all
+ranks busy at once, as they are in training, and the all-reduce bandwidth of
+the group), then, for each layout, builds the engine, runs warm-up and timed
+optimizer steps on synthetic batches and records the step time (slowest
+rank, median over steps) and each rank's peak RSS above what the process
+held before the engine was built. :func:`compare` then predicts both with
+the planner from the measured profile.
+
+Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py.
+Each rank has glibc serve large blocks by mmap, so a freed tensor leaves the
+RSS at once (otherwise RSS keeps every freed block and reads high).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+from giantmodel.config import load_config
+from giantmodel.core.precision import Precision
+from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.objectives import LanguageModel
+from giantmodel.parallel.engine import TrainEngine
+from giantmodel.planner import hwbench
+from giantmodel.planner.hardware import profile_from_dict
+from giantmodel.planner.layout import Cluster, resolve_layout
+from giantmodel.planner.memory import memory_report
+from giantmodel.planner.perf import estimate_time
+
+MIB = 2 ** 20
+HOST_CHECK_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def use_mmap_for_large_blocks() -> None:
+    """Serve allocations of 64 KiB and more by mmap, so that a freed tensor
+    leaves the RSS at once (glibc otherwise keeps large freed blocks in its
+    heap, and RSS then shows what was, not what is)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)    # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _trim() -> None:
+    """Hand freed heap pages back to the OS, so RSS shows what is live (with
+    MALLOC_MMAP_THRESHOLD_ set, large tensors are mmapped and go back on free)."""
+    import ctypes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak_rss() -> None:
+    """Start a new VmHWM window (Linux: writing 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _batches(cfg, step: int, data_rank: int, data_world: int) -> list[dict]:
+    import torch
+
+    G, T, V = cfg.train.global_batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(7919 * (step + 1))
+    seq = torch.randint(0, V, (G, T + 1), generator=gen)
+    per = G // data_world
+    ids = seq[data_rank * per:(data_rank + 1) * per, :-1].contiguous()
+    labels = seq[data_rank * per:(data_rank + 1) * per, 1:].contiguous()
+    mbs = cfg.train.micro_batch_size
+    return [{"input_ids": ids[i:i + mbs], "labels": labels[i:i + mbs]}
+            for i in range(0, per, mbs)]
+
+
+def time_layout(cfg, warmup: int, steps: int) -> dict:
+    """Warm-up then timed optimizer steps of ``cfg`` in this process group."""
+    import torch
+    import torch.distributed as dist
+
+
+    _trim()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    base = _status_kib("VmRSS") * 1024
+    _reset_peak_rss()
+    dims = ParallelDims.from_config(cfg, world)
+    if world > 1:
+        dims.build_mesh("cpu")
+    engine = TrainEngine(LanguageModel(cfg.model, data=cfg.data, train=cfg.train), dims,
+                         torch.device("cpu"), parallel=cfg.parallel, recompute=cfg.recompute,
+                         recompute_layers=cfg.recompute_layers, offload=cfg.offload,
+                         compile=False, precision=cfg.precision, bucket_mb=cfg.parallel.bucket_mb)
+    precision = Precision(cfg.precision, "cpu")
+    opt = engine.build_optimizer(cfg.optim)
+    times = []
+    for step in range(warmup + steps):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        engine.forward_backward(_batches(cfg, step, engine.data_rank, engine.data_world),
+                                precision)
+        engine.clip_grad_norm_(cfg.optim.grad_clip)
+        engine.optimizer_step(opt)
+        engine.zero_grad(opt)
+        dt = time.perf_counter() - t0
+        if step >= warmup:
+            times.append(dt)
+    peak = _status_kib("VmHWM") * 1024
+    if world > 1:
+        t = torch.tensor(times)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends when its slowest rank does
+        times = t.tolist()
+        dims.destroy_mesh()
+    del engine, opt
+    gc.collect()
+    return {"step_s": statistics.median(times), "steps_s": times, "base_rss": base,
+            "peak_rss": peak}
+
+
+def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
+               warmup: int = 1, steps: int = 3, profile_kw: dict | None = None) -> dict:
+    """run_ranks target: the measured profile and every layout's timings on this rank."""
+    import torch
+
+
+    torch.set_num_threads(1)
+    use_mmap_for_large_blocks()
+    prof = hwbench.measure("cpu", **(profile_kw or {}))
+    # one untimed step first: lazy initialisation (gloo buffers, kernels) is
+    # not part of any layout's memory or time
+    time_layout(load_config(overrides=list(base_overrides) + list(layouts[0])), 0, 1)
+    out = []
+    for overrides in layouts:
+        cfg = load_config(overrides=list(base_overrides) + list(overrides))
+        res = time_layout(cfg, warmup, steps)
+        res["overrides"] = list(overrides)
+        out.append(res)
+    return {"rank": rank, "profile": prof, "layouts": out}
+
+
+def compare(per_rank: list[dict], base_overrides: list[str]) -> list[dict]:
+    """Planner predictions next to the measurements (profile of rank 0; RSS
+    of the rank the planner says is the largest, and every rank's)."""
+
+    world = len(per_rank)
+    hw = profile_from_dict("measured", per_rank[0]["profile"], "hostcheck")
+    cluster = Cluster(1, world)
+    rows = []
+    for i, first in enumerate(per_rank[0]["layouts"]):
+        cfg = load_config(overrides=list(base_overrides) + first["overrides"], validate=False)
+        layout = resolve_layout(cfg, cluster)
+        perf = estimate_time(cfg.model, layout, hw, cluster, cfg.train.global_batch_size)
+        mem = memory_report(cfg.model, layout, hw)
+        measured = [r["layouts"][i] for r in per_rank]
+        # peak above the pre-build RSS, worst rank; predicted: the worst pp rank's peak
+        grown = max(m["peak_rss"] - m["base_rss"] for m in measured)
+        base = max(m["base_rss"] for m in measured)
+        rows.append({
+            "layout": " ".join(first["overrides"]) or "single", "describe": layout.describe(),
+            "predicted_step_s": perf.step_s, "measured_step_s": first["step_s"],
+            "time_ratio": perf.step_s / first["step_s"],
+            "predicted_rss": base + mem.peak_bytes_per_rank, "measured_rss": base + grown,
+            "rss_ratio": (base + mem.peak_bytes_per_rank) / (base + grown),
+            "predicted_growth": mem.peak_bytes_per_rank, "measured_growth": grown,
+            "breakdown": perf.breakdown})
+    return rows

@@ -1,0 +1,68 @@
+"""The peer benchmark suite's bookkeeping (benchmarks/peers/): profile
+interval arithmetic, ratio medians, DeepSpeed config merging, and that both
+sides see the same workload. No peer is installed or run here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
+
+import ds_side
+import run
+import stepprofile
+import workload
+
+
+def test_profile_intervals():
+    merged = stepprofile._merge([(5, 7), (0, 2), (1, 3), (6, 9)])
+    assert merged == [(0, 3), (5, 9)]
+    assert stepprofile._gaps((0, 10), merged) == [(3, 5), (9, 10)]
+    assert stepprofile._overlap([(3, 5), (9, 10)], [(4, 9.5)]) == pytest.approx(1.5)
+
+
+def test_comm_names():
+    for name in ("c10d::allreduce_", "giant:collective", "gloo:all_reduce",
+                 "FSDP::post_backward_reduce", "c10d::_allgather_base_"):
+        assert stepprofile.COMM.search(name), name
+    for name in ("aten::mm", "peer::compute", "Optimizer.step#AdamW.step"):
+        assert not stepprofile.COMM.search(name), name
+
+
+def _run(tps, loss=8.0):
+    return {"tokens_per_sec": tps, "loss": loss, "losses": [loss] * 20, "peak_rss_mib": [500.0]}
+
+
+def test_summary_takes_median_of_paired_ratios_and_skips_failures():
+    systems = {"giantmodel": [_run(110), _run(90), _run(130), {"error": "x"}],
+               "deepspeed": [_run(100), _run(100), _run(100), _run(100)]}
+    s = run.summarize(systems)["giantmodel"]
+    assert s["ratios"] == pytest.approx([1.1, 0.9, 1.3])
+    assert s["ratio_median"] == pytest.approx(1.1)
+    assert s["loss_rel_diff"] == 0.0
+
+
+def test_ds_config_merges_sections_and_keeps_batch_plan():
+    case = workload.find_case("dp2-zero2")
+    cfg = ds_side.ds_config(case, {"zero_optimization": {"overlap_comm": True}})
+    assert cfg["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert cfg["train_batch_size"] == case.global_batch
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] \
+        * case.dp == case.global_batch
+    with pytest.raises(SystemExit):
+        workload.find_case("dp3")
+
+
+def test_giantmodel_side_uses_the_shared_workload():
+    from giantmodel.config import load_config
+
+    case = workload.find_case("dp2-zero1")
+    cfg = load_config(None, workload.gm_overrides(case, 20, "/tmp/unused"))
+    assert cfg.model.hidden_size == workload.MODEL["hidden_size"]
+    assert cfg.model.ffn_hidden_size == workload.MODEL["ffn_hidden_size"]
+    assert (cfg.parallel.dp, cfg.parallel.zero) == (2, 1)
+    assert cfg.optim.lr == workload.OPTIM["lr"] and cfg.optim.schedule == "constant"
+    assert cfg.train.global_batch_size == case.global_batch

@@ -1,0 +1,55 @@
+"""The planner, calibrated on this host, against real training steps.
+
+Two gloo ranks measure the host (``giantmodel bench hw``'s measurements:
+matmul curve, attention, bandwidth, AdamW rate, the group's links), then train
+a small LLaMA under eight layouts (dp with zero 0-3, tp, tp + sp, pp, cp).
+Each layout's predicted step time must be within 15% of the measured one and
+its predicted peak RSS within 10%. Timing needs a quiet host: the test skips
+when the 1-minute load average is above 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from giantmodel.planner.hostcheck import HOST_CHECK_ENV, check_rank, compare
+from giantmodel.testing import run_ranks
+
+MODEL = ["model.arch=llama", "model.hidden_size=256", "model.num_layers=4",
+         "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=768",
+         "model.vocab_size=4096", "model.max_seq_len=256"]
+TRAIN = ["train.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=2",
+         "precision=fp32", "optim.warmup_steps=0", "optim.grad_clip=1.0"]
+LAYOUTS = [["parallel.dp=2", f"parallel.zero={z}"] for z in range(4)] + [
+    ["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.pp=2"],
+    ["parallel.cp=2"]]
+PROFILE = {"sizes": [32, 64, 128, 256, 512], "mem_mb": 32, "attn_seq": 256}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.xfail(strict=False, reason=(
+    "step time not yet within 15% on this host (benchmarks/RESULTS.md, Planner: ratios 0.44-0.81; "
+    "peak RSS is within 10%): DTensor / FSDP2 per-op overheads on CPU are not modelled"))
+def test_predicted_step_time_and_rss_on_this_host():
+    load = os.getloadavg()[0]
+    if load > 1.0:
+        pytest.skip(f"1-minute load average {load:.2f} > 1: step times would measure the "
+                    "other jobs, not the layouts")
+    base = MODEL + TRAIN
+    per_rank = run_ranks(check_rank, 2, base, LAYOUTS, 1, 3, PROFILE, timeout=360,
+                         env=HOST_CHECK_ENV)
+    rows = compare(per_rank, base)
+    for r in rows:
+        print(f"host-check {r['layout']:<32} time {r['predicted_step_s']:.3f} / "
+              f"{r['measured_step_s']:.3f} = {r['time_ratio']:.2f}; RSS "
+              f"{r['predicted_rss'] / 2**20:.0f} / {r['measured_rss'] / 2**20:.0f} MB = "
+              f"{r['rss_ratio']:.3f}")
+    assert len(rows) == 8
+    bad_time = [r["layout"] for r in rows if abs(r["time_ratio"] - 1) > 0.15]
+    bad_rss = [r["layout"] for r in rows if abs(r["rss_ratio"] - 1) > 0.10]
+    assert not bad_time and not bad_rss, (
+        f"step time off by more than 15% for {bad_time}; peak RSS off by more than 10% "
+        f"for {bad_rss} (load average {load:.2f} at the start)")
