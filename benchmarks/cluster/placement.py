@@ -14,9 +14,10 @@ process group:
    probes the links and resolves the placement (what a real run does);
 2. a trainer is built for every candidate order (every permutation that keeps
    pipeline groups in increasing rank order: 24 for tp2dp2, 6 for pp2dp2);
-3. rounds over all candidates time ``--steps`` optimizer steps each (after a
-   warm-up round), the slowest rank's wall time; a candidate's figure is the
-   median over rounds.
+3. after a warm-up round, ``--rounds`` rounds visit every candidate in a
+   shuffled order and time ``--steps`` optimizer steps (the slowest rank's
+   wall time); a candidate's figure is the median over rounds. The meshes
+   share one process group per rank set (see ``_share_groups_by_rank_set``).
 
 ``--cluster hetero4`` / ``hetero4-scrambled``: 4 single-rank hosts where two
 pairs of hosts share 1 Gbit/s links and every other pair crosses 100 Mbit/s
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -118,6 +120,7 @@ def worker(out: str, layout: str, steps: int, rounds: int, how: str) -> None:
     from giantmodel.distributed.placement import CostModel
     from giantmodel.train.trainer import Trainer
 
+    _share_groups_by_rank_set()
     scratch = Path(tempfile.mkdtemp(prefix="gm-place-"))
     base = [*COMMON, *LAYOUTS[layout]]
     import os
@@ -149,11 +152,11 @@ def worker(out: str, layout: str, steps: int, rounds: int, how: str) -> None:
     setup_s = time.perf_counter() - t0
     times: list[list[float]] = [[] for _ in trainers]
     for r in range(rounds + 1):  # round 0 warms up every candidate
-        for i, tr in enumerate(trainers):
+        for i in random.Random(r).sample(range(len(trainers)), len(trainers)):
             dist.barrier()
             t = time.perf_counter()
             for _ in range(steps):
-                tr.train_step()
+                trainers[i].train_step()
             dt = torch.tensor([(time.perf_counter() - t) / steps], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if r > 0:
@@ -170,6 +173,31 @@ def worker(out: str, layout: str, steps: int, rounds: int, how: str) -> None:
         "inter_host_mbit": float(topo.beta[0, 1] * 8 / 1e6),
         "inter_host_latency_ms": float(topo.alpha[0, 1] * 1e3)})
     dist.destroy_process_group()
+
+
+def _share_groups_by_rank_set() -> None:
+    """One process group per rank set for every mesh this process builds.
+
+    The candidates' meshes ask for groups over the same few rank sets (a
+    4-rank world has 6 pairs). gloo gives every group threads that wake every
+    10 ms: 100 idle groups cost about 11% of a core per rank here, so 25
+    meshes x 8 groups would take the 2 cores the steps run on. Groups hold no
+    state between collectives, and one trainer runs at a time, so sharing
+    them changes nothing else."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    made: dict = {}
+    original = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        key = None if ranks is None else tuple(sorted(ranks))
+        if key not in made:
+            made[key] = original(ranks, *args, **kwargs)
+        return made[key]
+
+    dist.new_group = new_group
+    device_mesh.new_group = new_group
 
 
 def summarize(res: dict) -> dict:
