@@ -39,6 +39,7 @@ import numpy as np
 import torch.distributed as dist
 
 from giantmodel.core.layout import validate_placement
+from giantmodel.core.pipeline_split import check_pipeline_placement
 from giantmodel.core.traffic import Traffic, mesh_traffic
 from giantmodel.distributed.linkprobe import measure_or_load
 from giantmodel.distributed.links import LinkTopology, derive_classes
@@ -306,6 +307,7 @@ def resolve_placement(cfg, dims, backend: str, log=print) -> PlacementResult | N
     result: PlacementResult = box[0]
     dims.placement = validate_placement(result.placement, dims.world_size)
     dims.placement_pending = False
+    check_pipeline_placement(dims.mesh_layout(), dims.pp)
     cfg.parallel.placement = list(result.placement)
     if dist.get_rank() == 0:
         log(result.log_line())
