@@ -19,6 +19,7 @@ from giantmodel import __version__
 from giantmodel.comm import extension_status
 from giantmodel.config import ConfigError, JobConfig, UserInputError, load_config
 from giantmodel.train.sampling import generate_from_args
+from giantmodel.train.sd_sampling import generate_sd_from_args, is_sd_source
 from giantmodel.train.trainer import preflight, run_training
 
 
@@ -63,19 +64,22 @@ def _add_train(sub) -> None:
 
 # --------------------------------------------------------------- generate
 def _cmd_generate(args) -> int:
-    print(generate_from_args(args))
+    print(generate_sd_from_args(args) if is_sd_source(args) else generate_from_args(args))
     return 0
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint or HF model",
+    p = sub.add_parser("generate", help="sample text or an image from a checkpoint, HF or "
+                       "diffusers model",
                        description="Sample from a run directory's latest checkpoint "
-                       "(--run-dir), a given checkpoint (--checkpoint) or a Hugging Face "
-                       "directory (--hf).")
+                       "(--run-dir), a given checkpoint (--checkpoint), a Hugging Face "
+                       "directory (--hf) or a diffusers pipeline (--diffusers). A Stable "
+                       "Diffusion run or pipeline writes a PNG (--out).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="run directory holding config.yaml and checkpoints/")
     src.add_argument("--checkpoint", help="a checkpoint directory (step-XXXXXXXX) of a run")
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    src.add_argument("--diffusers", help="a diffusers Stable Diffusion pipeline directory")
     p.add_argument("--tokenizer", help="tokenizer (.model or tokenizer.json); default: the run's")
     p.add_argument("--prompt", default="def ", help="text to continue, or the user's message "
                    "when a chat template applies")
@@ -87,6 +91,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    sd = p.add_argument_group("Stable Diffusion")
+    sd.add_argument("--out", default="sample.png", help="PNG to write (default sample.png)")
+    sd.add_argument("--sampler", choices=("ddim", "euler"), default="ddim")
+    sd.add_argument("--steps", type=int, default=30, help="sampling steps (default 30)")
+    sd.add_argument("--guidance-scale", type=float, default=7.5,
+                    help="classifier-free guidance scale (1 turns it off; default 7.5)")
+    sd.add_argument("--no-ema", action="store_true",
+                    help="use the trained UNet weights, not the run's EMA of them")
     p.set_defaults(func=_cmd_generate)
 
 

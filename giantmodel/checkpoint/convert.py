@@ -15,6 +15,11 @@ run's ``checkpoint.init_from``.
 HF -> giantmodel: SRC is a HF directory; DST becomes a run directory holding
 ``config.yaml`` (the model section) and ``checkpoints/step-00000000``, usable
 as ``checkpoint.init_from`` or by ``giantmodel generate``.
+
+Stable Diffusion run -> diffusers (``--to diffusers``, the default for a
+diffusion run): DST becomes a pipeline directory that
+``diffusers.StableDiffusionPipeline.from_pretrained`` loads, with the UNet's
+EMA weights when the run kept an EMA.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import yaml
 
 from giantmodel.checkpoint.layout import resolve_checkpoint_dir
 from giantmodel.checkpoint.manager import CheckpointManager
+from giantmodel.checkpoint.sd import is_sd_run, sd_run_to_diffusers
 from giantmodel.checkpoint.state import ModelState
 from giantmodel.checkpoint.weights import (
     is_hf_dir,
@@ -56,9 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="giantmodel run/checkpoint directory, or a Hugging Face "
                                     "model directory")
     parser.add_argument("dst", help="output directory (must not already hold weights)")
-    parser.add_argument("--to", choices=("hf", "giantmodel", "peft"), default=None,
+    parser.add_argument("--to", choices=("hf", "giantmodel", "peft", "diffusers"), default=None,
                         help="target format; default: the opposite of SRC's format. peft: a "
-                        "LoRA run's adapters as a PEFT adapter directory")
+                        "LoRA run's adapters as a PEFT adapter directory; diffusers: a Stable "
+                        "Diffusion run as a pipeline directory")
     parser.add_argument("--merge-lora", action="store_true",
                         help="--to hf from a LoRA run: fold the adapters into the base weights")
     parser.add_argument("--step", type=int, default=None,
@@ -126,8 +133,12 @@ def main(args: argparse.Namespace) -> int:
     src = Path(args.src)
     if not src.exists():
         raise UserInputError(f"{src}: no such directory")
-    target = args.to or ("giantmodel" if is_hf_dir(src) else "hf")
+    target = args.to or ("giantmodel" if is_hf_dir(src) else "diffusers" if is_sd_run(src) else "hf")
     dtype = _DTYPES[args.dtype] if args.dtype else None
+    if target == "diffusers":
+        step_dir = sd_run_to_diffusers(src, args.dst, args.step, dtype)
+        print(f"wrote diffusers pipeline to {args.dst} (from {step_dir})")
+        return 0
     if target in ("hf", "peft"):
         if is_hf_dir(src):
             raise UserInputError(f"{src} is already a Hugging Face directory")

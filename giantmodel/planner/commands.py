@@ -16,6 +16,7 @@ from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
 from giantmodel.planner.placement import add_topology_argument, place_on_topology
 from giantmodel.planner.report import estimate_dict, format_estimate, format_plan, pipeline_report
+from giantmodel.planner.sd import run_sd_estimate, run_sd_plan
 from giantmodel.planner.search import apply_layout, search, smallest_fitting_cluster, verified
 
 
@@ -85,6 +86,8 @@ def _load(args):
 def run_estimate(args) -> int:
     """Predict memory and speed of the config's own layout."""
     cfg, hw, cluster = _load(args)
+    if cfg.objective == "diffusion":
+        return run_sd_estimate(cfg, hw, cluster, args.json)
     layout = resolve_layout(cfg, cluster)
     mem = memory_report(cfg.model, layout, hw)
     perf = estimate_time(cfg.model, layout, hw, cluster, cfg.train.global_batch_size)
@@ -101,6 +104,8 @@ def run_plan(args) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}", "--top")
     cfg, hw, cluster = _load(args)
+    if cfg.objective == "diffusion":
+        return run_sd_plan(cfg, hw, cluster, args.top, args.out, args.json)
     start = time.monotonic()
     cands = search(cfg, hw, cluster)
     best = verified(cfg, cands, cluster, args.top)

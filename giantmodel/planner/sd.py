@@ -24,13 +24,17 @@ gradient reduction (and ZeRO-3's parameter gathers) on the slowest link.
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from giantmodel.config import dump_config
 from giantmodel.config.errors import ConfigError
 from giantmodel.models.sd import build_sd
 from giantmodel.models.sd.diffusers_io import read_pipeline_configs
@@ -239,8 +243,6 @@ def sd_shapes(cfg):
     """(unet, vae, text) configs: from sd.pretrained when set, else the sd section."""
     sd = cfg.sd
     if sd.pretrained:
-        from pathlib import Path
-
         unet, vae, text, _ = read_pipeline_configs(Path(sd.pretrained))
         return unet, vae, text
     return sd.unet, sd.vae, sd.text_encoder
@@ -302,3 +304,40 @@ def format_sd_estimate(d: dict) -> str:
                  f"({t['images_per_sec_per_gpu']:,.2f}/GPU) | {t['tflops_per_gpu']:.1f} TFLOP/s/GPU | "
                  f"MFU {t['mfu'] * 100:.1f}% | {t['train_flops_per_image'] / 1e12:.3f} TFLOP/image")
     return "\n".join(lines)
+
+
+def run_sd_estimate(cfg, hw, cluster, as_json: bool) -> int:
+    """``giantmodel estimate`` for a diffusion config."""
+    cfg.sd.validate()
+    d = estimate_sd(cfg, hw, cluster)
+    print(json.dumps(d, indent=2) if as_json else format_sd_estimate(d))
+    return 0
+
+
+def run_sd_plan(cfg, hw, cluster, top: int, out: str | None, as_json: bool) -> int:
+    """``giantmodel plan`` for a diffusion config: the fastest layouts that fit;
+    the best is written to ``out`` as a config."""
+    cfg.sd.validate()
+    rows = plan_sd(cfg, hw, cluster, top)
+    if not rows:
+        raise ConfigError(f"{cfg.sd.name} at {cfg.data.images.resolution} px, global batch "
+                          f"{cfg.train.global_batch_size}, fits no data-parallel layout on "
+                          f"{cluster.world} {hw.name}; add GPUs or lower the resolution")
+    best = rows[0]["_layout"]
+    if out:
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.parallel.dp = best.dp
+        run_cfg.parallel.zero = best.zero
+        run_cfg.parallel.shard_group_size = best.shard if best.zero and best.shard < best.dp else None
+        run_cfg.train.micro_batch_size = best.micro_batch
+        run_cfg.recompute = best.recompute
+        dump_config(run_cfg, out)
+    if as_json:
+        print(json.dumps({"top": [{k: v for k, v in r.items() if k != "_layout"} for r in rows],
+                          "out": out}, indent=2))
+    else:
+        for i, r in enumerate(rows, 1):
+            print(f"#{i} " + format_sd_estimate(r))
+        if out:
+            print(f"wrote {out} ({best.describe()})")
+    return 0
