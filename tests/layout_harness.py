@@ -11,6 +11,11 @@ Every case uses a tiny model in fp32 with deterministic synthetic batches:
 step ``s`` draws a global batch of G sequences; dp rank r feeds the
 contiguous slice [r*G/dp, (r+1)*G/dp). Some labels are -100 so that ranks
 hold different token counts and the global token mean is really exercised.
+
+A case with ``data.pack=true`` feeds packed fine-tuning batches (several
+examples per row: ``document_ids`` and restarting ``position_ids``); one
+with ``objective=lora`` trains the LoRA objective; one with
+``checkpoint.init_from`` starts from those weights, as the trainer does.
 """
 
 from __future__ import annotations
@@ -51,13 +56,31 @@ def global_batch(cfg, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1].contiguous(), labels
 
 
+def packed_documents(cfg, step: int) -> torch.Tensor:
+    """Document ids [G, T] of a packed global batch: 1-4 examples per row,
+    boundaries drawn per step."""
+    G, T = cfg.train.global_batch_size, cfg.train.seq_len
+    gen = torch.Generator().manual_seed(7_919 * (step + 1))
+    docs = torch.zeros(G, T, dtype=torch.long)
+    for row in range(G):
+        cuts = torch.randint(1, T, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
+        for c in cuts.tolist():
+            docs[row, c:] += 1
+    return docs
+
+
 def local_microbatches(cfg, step: int, data_rank: int, data_world: int) -> list[dict]:
+    from giantmodel.data.loader import document_positions
+
     ids, labels = global_batch(cfg, step)
+    batch = {"input_ids": ids, "labels": labels}
+    if cfg.data.pack:
+        batch["document_ids"] = packed_documents(cfg, step)
+        batch["position_ids"] = document_positions(batch["document_ids"])
     per = ids.shape[0] // data_world
-    ids, labels = ids[data_rank * per:(data_rank + 1) * per], labels[data_rank * per:(data_rank + 1) * per]
     mbs = cfg.train.micro_batch_size
-    return [{"input_ids": ids[i:i + mbs], "labels": labels[i:i + mbs]}
-            for i in range(0, per, mbs)]
+    mine = {k: v[data_rank * per:(data_rank + 1) * per] for k, v in batch.items()}
+    return [{k: v[i:i + mbs] for k, v in mine.items()} for i in range(0, per, mbs)]
 
 
 def full_parameters(engine) -> dict[str, torch.Tensor]:
@@ -82,11 +105,18 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
 
 def build_engine(cfg, dims, device="cpu"):
     """The language-model engine for ``cfg`` on ``dims`` (mesh already built)."""
-    from giantmodel.objectives import LanguageModel
+    from giantmodel.objectives import LanguageModel, LoRA
     from giantmodel.train.trainer import build_engine as engine_for
 
-    objective = LanguageModel(cfg.model, data=cfg.data, train=cfg.train)
-    return engine_for(cfg, objective, dims, torch.device(device))
+    if cfg.objective == "lora":
+        objective = LoRA(cfg.model, data=cfg.data, train=cfg.train, lora=cfg.lora,
+                         init_from=cfg.checkpoint.init_from)
+    else:
+        objective = LanguageModel(cfg.model, data=cfg.data, train=cfg.train)
+    engine = engine_for(cfg, objective, dims, torch.device(device))
+    if cfg.checkpoint.init_from:
+        objective.load_pretrained(engine.parts, cfg.checkpoint.init_from)
+    return engine
 
 
 def run_steps(cfg, steps: int = STEPS, device: str = "cpu", record_init: bool = False) -> dict:
@@ -102,6 +132,8 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu", record_init: bool = 
     if world > 1:
         dims.build_mesh(device)
     engine = build_engine(cfg, dims, device)
+    # What init_from gave (so a test can tell the weights were really read).
+    start = full_parameters(engine) if cfg.checkpoint.init_from else None
     precision = Precision(cfg.precision, device)
     opt = engine.build_optimizer(cfg.optim)
     init = full_parameters(engine) if record_init else None
@@ -117,7 +149,7 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu", record_init: bool = 
     params = full_parameters(engine)
     if world > 1:
         dims.destroy_mesh()
-    out = {"losses": losses, "norms": norms, "params": params}
+    out = {"losses": losses, "norms": norms, "params": params, "start": start}
     if init is not None:
         out["init"] = init
     return out
@@ -131,7 +163,9 @@ def run_cases(rank: int, world: int, cases: list, steps: int = STEPS) -> list:
         result = run_steps(make_config(arch, overrides), steps)
         # numpy, not torch: tensors cross process boundaries as shared-memory
         # handles that die with the rank that made them.
-        result["params"] = {k: v.numpy() for k, v in result["params"].items()}
+        for key in ("params", "start"):
+            if result[key] is not None:
+                result[key] = {k: v.numpy() for k, v in result[key].items()}
         out.append(result if rank == 0 else None)
     return out
 

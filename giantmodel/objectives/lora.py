@@ -87,6 +87,9 @@ class LoRA(LanguageModel):
         self._vocab_parallel = True
 
     def init_weights(self, module: nn.Module, device: torch.device) -> None:
+        # Freeze again: parallel styles re-register the parameters they shard
+        # (SequenceParallel's norm weights come back trainable).
+        freeze_base(module)
         super().init_weights(module, device)
         for fqn, p in module.named_parameters():
             name = canonical_name(fqn)
