@@ -80,6 +80,7 @@ def _run(rank: int, base: str, name: str) -> dict:
         t.ckpt.close()
         t.metrics.close()
         t.run_lock.release()
+        t.hang.close()
     recs = []
     if rank == 0:
         recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -43,6 +43,7 @@ from giantmodel.metrics.logger import MetricsLogger
 from giantmodel.objectives import build_objective
 from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
+from giantmodel.train.watchdog import HangWatch
 
 log = logging.getLogger("giantmodel")
 
@@ -121,6 +122,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, self.info.is_rank0, cfg.run.tensorboard,
                                      cfg.run.progress, cfg.train.steps)
         self._stop_requested = False
+        self.hang = HangWatch(self.run_dir, self.info.rank, self.info.world_size)
         self._skipped_in_row = 0
         self._recent_losses: deque[float] = deque(maxlen=20)  # applied steps, for spike_factor
         self._setup_checkpointing()
@@ -179,6 +181,7 @@ class Trainer:
             self._print(f"initialised weights from {cfg.checkpoint.init_from}")
 
     def _save(self) -> None:
+        self.hang.enter(f"step {self.state.step} checkpoint save")
         self.ckpt.save(self.state.step, self.ckpt_state)
 
     # ------------------------------------------------------------------ loop
@@ -194,7 +197,10 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step: forward/backward over the micro-batches, clip, update."""
         mbs = [next(self.train_loader) for _ in range(self.microbatches)]
+        step = self.state.step + 1
+        self.hang.enter(f"step {step} forward_backward")
         loss = self.engine.forward_backward(mbs, self.precision)
+        self.hang.enter(f"step {step} gradient checks and norm")
         overflow = self.precision.unscale_and_check(self.engine.parameters(), self.engine.any_rank)
         # the norm is global (all-reduced), so every rank sees the same value
         # and takes the same decision: parameters stay identical across ranks
@@ -202,6 +208,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         skipped = self._skip_reason(overflow, loss, grad_norm)
         if not skipped:
+            self.hang.enter(f"step {step} optimizer_step")
             self.engine.optimizer_step(self.optimizer)
             self._recent_losses.append(loss)
         self.engine.zero_grad(self.optimizer)
@@ -314,7 +321,11 @@ class Trainer:
         except Exception as e:
             lost = describe_lost_peer(e, self.peers, self.info.rank) if self.peers else None
             if lost is None:
-                raise
+                hung = self.hang.report()
+                if hung is None:
+                    raise
+                print(f"error: rank {self.info.rank}: {hung}", file=sys.stderr, flush=True)
+                raise RunStopped(hung) from e
             print(f"error: rank {self.info.rank}: {lost}", file=sys.stderr, flush=True)
             raise HostLostError(lost) from e
         finally:
@@ -328,6 +339,7 @@ class Trainer:
         return None if model is None else self.objective.sample(model)
 
     def close(self) -> None:
+        self.hang.close()
         self.ckpt.close()
         self.metrics.close()
         shutdown_distributed()
