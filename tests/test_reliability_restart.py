@@ -33,7 +33,12 @@ COMMON = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
 
 
 def _launch(run: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # torchrun shares its rendezvous store with the workers' process group by
+    # default; after a restart a worker can read the previous attempt's gloo
+    # address and fail to connect (pytorch/pytorch#135712). A separate store
+    # per attempt avoids it; docs/reliability.md tells users the same.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "giantmodel", "train",
