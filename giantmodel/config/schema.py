@@ -8,8 +8,10 @@ from typing import Literal
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.lora import LoRAConfig
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
+from giantmodel.config.sd import SDConfig
 from giantmodel.config.train import CheckpointConfig, OffloadConfig, OptimConfig, RunConfig, TrainConfig
 
 
@@ -18,8 +20,11 @@ class JobConfig:
     """One training job. Its defaults are the embedded default run: a tiny
     LLaMA trained on the Python standard library's sources, on the CPU."""
 
-    objective: Literal["lm"] = "lm"
-    """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and supervised fine-tuning)."""
+    objective: Literal["lm", "lora", "diffusion"] = "lm"
+    """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and
+    supervised fine-tuning), "lora" (low-rank adapters on a frozen base, set in
+    the lora section) or "diffusion" (Stable Diffusion text-to-image and
+    DreamBooth; the ``sd`` section)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture and shape."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -44,6 +49,10 @@ class JobConfig:
     """Activation offload to host memory."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory and reporting."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters for the lora objective (ignored by the others)."""
+    sd: SDConfig = field(default_factory=SDConfig)
+    """Stable Diffusion models and recipe (objective "diffusion"; ignored by the others)."""
 
     def validate(self) -> None:
         """Checks that need no process group and no world size."""
@@ -54,6 +63,10 @@ class JobConfig:
         self.checkpoint.validate()
         self.comm.validate()
         self.data.validate()
+        if self.objective == "lora":
+            self.lora.validate(self.model.arch)
+        elif self.objective == "diffusion":
+            self.sd.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "

@@ -12,6 +12,7 @@ import os
 from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.data.indexed import check_token_ids, read_index_header
+from giantmodel.data.sft import check_sft
 from giantmodel.data.tokenizer import load_tokenizer, resolve_tokenizer_path
 
 
@@ -22,6 +23,8 @@ def check_data(cfg: DataConfig) -> None:
         _check_indexed(cfg)
     elif cfg.source == "builtin":
         _check_cache_dir(cfg)
+    elif cfg.source == "sft":
+        check_sft(cfg)
 
 
 def _check_indexed(cfg: DataConfig) -> None:

@@ -37,7 +37,13 @@ first and the last stage, ``tied_parameters``.
 
 Outside the engine, the trainer asks the objective for its data loaders
 (``build_loaders``), for initial weights from a pretrained directory
-(``load_pretrained``) and, after training, for a sample (``sample``).
+(``load_pretrained``), for which weights its checkpoints hold
+(``checkpoint_filter``: all of them by default; a LoRA fine-tune saves only
+its adapters, since the frozen base is ``checkpoint.init_from`` and never
+changes) and, after training, for a sample (``sample``). It calls
+``after_step()`` after every applied optimizer step and checkpoints the
+objects ``state()`` returns with the rest of the run (an objective that
+keeps an EMA of its weights needs both).
 Conversion to and from Hugging Face / diffusers formats lives beside each
 model and is reached through the objective (``export``).
 """
@@ -45,6 +51,7 @@ model and is reached through the objective (``export``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -143,15 +150,6 @@ class BaseObjective:
     def stage_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         raise NotImplementedError(f"{self.name}: no pipeline stages")
 
-
-def check_supported(objective: Objective, *, tp: int, cp: int, pp: int) -> None:
-    """Refuse a layout the objective's model has no plan for; runs with the
-    other layout checks, before any process group exists."""
-    for dim, degree in (("tp", tp), ("cp", cp), ("pp", pp)):
-        if degree > 1 and dim not in objective.supports:
-            raise ConfigError(f"the {objective.name} objective does not support {dim} > 1; "
-                              f"set parallel.{dim}=1", f"parallel.{dim}")
-
     def sample(self, model: nn.Module) -> str | None:
         """Something to show after training (text, an image path); None for nothing."""
         return None
@@ -164,3 +162,36 @@ def check_supported(objective: Objective, *, tp: int, cp: int, pp: int) -> None:
     def flops_per_unit(self) -> float:
         """Model FLOPs (forward + backward) per throughput unit, for MFU; 0 when unknown."""
         return 0.0
+
+    def checkpoint_filter(self) -> Callable[[str], bool] | None:
+        """Which model parameters checkpoints hold, by canonical name; None
+        for all. A checkpoint that holds only some (LoRA's adapters) is
+        completed from ``checkpoint.init_from`` when training resumes, and
+        by ``giantmodel convert`` when it is exported."""
+        return None
+
+    def model_name(self) -> str:
+        """The model's name, for logs and the comm tuner's cache key."""
+        return self.name
+
+    def num_params(self) -> int:
+        """Parameters of the whole model, for logs and the comm tuner's cache key."""
+        return 0
+
+    def after_step(self) -> None:
+        """Runs after every applied optimizer step (an EMA of the weights updates here)."""
+        return None
+
+    def state(self) -> dict[str, Any]:
+        """Further objects (with state_dict / load_state_dict) checkpointed with the
+        run under these keys, e.g. an EMA of the weights; tensors may be DTensors."""
+        return {}
+
+
+def check_supported(objective: Objective, *, tp: int, cp: int, pp: int) -> None:
+    """Refuse a layout the objective's model has no plan for; runs with the
+    other layout checks, before any process group exists."""
+    for dim, degree in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if degree > 1 and dim not in objective.supports:
+            raise ConfigError(f"the {objective.name} objective does not support {dim} > 1; "
+                              f"set parallel.{dim}=1", f"parallel.{dim}")

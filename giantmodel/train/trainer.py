@@ -151,7 +151,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.comm.backend != "giant" or self.dims.dp * self.dims.cp == 1:
             return cfg.parallel.bucket_mb
-        choice = tune(self.dims.group("dp_cp"), cfg.comm, cfg.model.name, cfg.model.num_params())
+        choice = tune(self.dims.group("dp_cp"), cfg.comm, self.objective.model_name(),
+                      self.objective.num_params())
         self._print(f"comm: gradient buckets of {choice.bucket_mb:g} MiB "
                     f"({'cached' if choice.from_cache else 'tuned' if cfg.comm.autotune else 'fixed'})")
         return choice.bucket_mb
@@ -164,21 +165,25 @@ class Trainer:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.ckpt = CheckpointManager(cfg.checkpoint, str(self.run_dir),
                                       is_rank0=self.info.is_rank0)
+        # An objective may checkpoint only part of the model (LoRA: its
+        # adapters); the rest is completed from checkpoint.init_from below.
+        keep = self.objective.checkpoint_filter()
         self.ckpt_state = {
-            "model": ModelState(self.engine.parts),
+            "model": ModelState(self.engine.parts, keep),
             "optim": OptimizerState(self.engine.parts, self.optimizer),
             "lr": SchedulerState(self.scheduler),
             "data": self.train_loader,
             "rng": RNGState(),
             "trainer": self.state,
+            **self.objective.state(),
         }
         latest = self.ckpt.latest_step() if cfg.checkpoint.resume else None
+        if cfg.checkpoint.init_from and (latest is None or keep is not None):
+            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
+            self._print(f"initialised weights from {cfg.checkpoint.init_from}")
         if latest is not None:
             self.ckpt.load(self.ckpt_state, latest)
             self._print(f"resumed from {self.run_dir / 'checkpoints'} at step {self.state.step}")
-        elif cfg.checkpoint.init_from:
-            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
-            self._print(f"initialised weights from {cfg.checkpoint.init_from}")
 
     def _save(self) -> None:
         self.hang.enter(f"step {self.state.step} checkpoint save")
@@ -210,6 +215,7 @@ class Trainer:
         if not skipped:
             self.hang.enter(f"step {step} optimizer_step")
             self.engine.optimizer_step(self.optimizer)
+            self.objective.after_step()
             self._recent_losses.append(loss)
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
@@ -274,7 +280,8 @@ class Trainer:
         flops_per_unit = self.objective.flops_per_unit()
         peak = peak_flops(self.device, cfg.precision) * self.info.world_size
         old_handler = signal.signal(signal.SIGTERM, self._request_stop)
-        self._print(f"giantmodel: {cfg.model.name} ({cfg.model.num_params() / 1e6:.1f}M params) "
+        self._print(f"giantmodel: {self.objective.model_name()} "
+                    f"({self.objective.num_params() / 1e6:.1f}M params) "
                     f"on {self.info.world_size} x {self.device.type}, {self.dims.summary}, "
                     f"steps {self.state.step}->{t.steps}")
         self.metrics.start(self.state.step)
