@@ -18,6 +18,7 @@ from torch.distributed.run import main as torchrun_main
 from giantmodel import __version__
 from giantmodel.comm import extension_status
 from giantmodel.config import ConfigError, JobConfig, UserInputError, load_config
+from giantmodel.config.errors import RunStopped
 from giantmodel.train.sampling import generate_from_args
 from giantmodel.train.sd_sampling import generate_sd_from_args, is_sd_source
 from giantmodel.train.trainer import preflight, run_training
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -175,6 +175,8 @@ def _mutation(rng: random.Random, fields, tmp: Path, i: int) -> tuple[str, list[
     """(kind, extra CLI args, key the error must name, YAML text or None)."""
     kind = rng.choice(INVALID + VALUES)
     key, default = rng.choice(fields)
+    if isinstance(default, (list, tuple)) and kind in ("wrong type", *VALUES):
+        return "wrong type", [f"{key}={{a: 1}}"], key, None  # a list field: [1] may be valid
     if kind == "wrong type":
         if isinstance(default, bool) or isinstance(default, (int, float)):
             return kind, [f"{key}={rng.choice(['abc', '[1, 2]', '{a: 1}'])}"], key, None

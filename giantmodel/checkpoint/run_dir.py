@@ -12,7 +12,7 @@
   crashed run never leaves a stale lock behind and a restarted job (torchrun
   ``--max-restarts``) takes it again. ``flock`` is advisory and per host:
   two hosts sharing ``run.dir`` over NFS are not guaranteed to exclude each
-  other.
+  other. Trainers built one after another in one process share its lock.
 """
 
 from __future__ import annotations
@@ -60,12 +60,17 @@ def check_run_paths(cfg: JobConfig) -> None:
                           "giantmodel checkpoint directory", key="checkpoint.init_from")
 
 
+# run.dir -> [fd, holders]: Trainers built one after another in one process
+# (tests, notebooks, resharding phases) share the process's lock
+_HELD: dict[Path, list] = {}
+
+
 class RunLock:
     """Exclusive ownership of a run directory for this process's lifetime."""
 
     def __init__(self, run_dir: str | os.PathLike):
-        self.path = Path(run_dir) / LOCK_NAME
-        self._fd: int | None = None
+        self.path = Path(run_dir).absolute() / LOCK_NAME
+        self._held = False
 
     def holder(self) -> str:
         try:
@@ -75,6 +80,10 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock or raise ConfigError naming the run that holds it."""
+        if self.path in _HELD:
+            _HELD[self.path][1] += 1
+            self._held = True
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -89,10 +98,16 @@ class RunLock:
         os.write(fd, (f"pid {os.getpid()} on host {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n").encode())
         os.fsync(fd)
-        self._fd = fd
+        _HELD[self.path] = [fd, 1]
+        self._held = True
 
     def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        if not self._held:
+            return
+        self._held = False
+        entry = _HELD[self.path]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _HELD[self.path]
+            fcntl.flock(entry[0], fcntl.LOCK_UN)
+            os.close(entry[0])

@@ -20,3 +20,9 @@ class ConfigError(ValueError):
 
 class UserInputError(ValueError):
     """A file or path given by the user is missing, unreadable or malformed."""
+
+
+class RunStopped(RuntimeError):
+    """A run that stopped itself on purpose (too many skipped steps in a row).
+
+    Not bad input: the CLI prints it as one ``error:`` line and exits 1."""

@@ -41,8 +41,15 @@ def refuse_unused(section: Any, prefix: str, switch: str, read_by: dict[str, tup
         value = getattr(section, f.name)
         if value == _default(f):
             continue
+        key = f"{prefix}.{f.name}"
+        default = _default(f)
+        if dataclasses.is_dataclass(value):  # a nested section: name the key that was set
+            for sub in dataclasses.fields(value):
+                if getattr(value, sub.name) != getattr(default, sub.name, dataclasses.MISSING):
+                    key, value = f"{key}.{sub.name}", getattr(value, sub.name)
+                    break
         choices = " or ".join(f"{prefix}.{switch}={_show(m)}" for m in modes)
         raise ConfigError(
             f"is set to {value!r}, but {prefix}.{switch} is {_show(mode)}, which ignores it "
             f"(only {', '.join(_show(m) for m in modes)} read it); set {choices}, "
-            f"or remove {prefix}.{f.name}", key=f"{prefix}.{f.name}")
+            f"or remove {key}", key=key)

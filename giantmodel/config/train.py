@@ -37,12 +37,22 @@ class TrainConfig:
     """Prompt for the sample printed after training."""
     threads: int | None = None
     """CPU intra-op threads per rank; null leaves torch's default."""
+    max_skipped_steps: int = 20
+    """Stop the run when this many optimizer steps in a row were skipped (a
+    non-finite gradient on any rank, an fp16 overflow, a loss spike); 0 never
+    stops. 20 fp16 overflows in a row have cut the loss scale by 2^20."""
+    spike_factor: float = 0.0
+    """Skip a step whose loss exceeds this factor times the median loss of the
+    last 20 applied steps (checked once 5 are known); 0 disables the check."""
 
     def validate(self) -> None:
         for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"must be positive, got {getattr(self, key)}", f"train.{key}")
-        for key in ("eval_every", "sample_tokens"):
+        if self.spike_factor != 0 and not self.spike_factor > 1:
+            raise ConfigError(f"must be 0 (off) or > 1, got {self.spike_factor}",
+                              "train.spike_factor")
+        for key in ("eval_every", "sample_tokens", "max_skipped_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"must be >= 0, got {getattr(self, key)}", f"train.{key}")
         if self.global_batch_size % self.micro_batch_size:

@@ -24,7 +24,8 @@ def resolve_dp(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
     if world_size % others:
         raise ConfigError(
             f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {others} does not divide the world size "
-            f"{world_size}; change parallel.tp/pp/cp or the number of processes", "parallel")
+            f"{world_size}; change parallel.tp, parallel.pp or parallel.cp, or the number "
+            "of processes", "parallel")
     dp = world_size // others if p.dp == -1 else p.dp
     if dp * others != world_size:
         raise ConfigError(

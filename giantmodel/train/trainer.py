@@ -8,9 +8,12 @@ fails in a second with one clear line instead of a hang across ranks.
 from __future__ import annotations
 
 import logging
+import math
 import signal
+import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from giantmodel.checkpoint.run_dir import RunLock, check_run_paths
 from giantmodel.comm import backend_for
 from giantmodel.comm.autotune import tune
 from giantmodel.config import ConfigError, JobConfig, dump_config
+from giantmodel.config.errors import RunStopped
 from giantmodel.core.optim import SchedulerState, build_scheduler
 from giantmodel.core.precision import Precision
 from giantmodel.data.checks import check_data
@@ -39,6 +43,7 @@ from giantmodel.metrics.logger import MetricsLogger
 from giantmodel.objectives import build_objective
 from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
+from giantmodel.train.watchdog import HangWatch
 
 log = logging.getLogger("giantmodel")
 
@@ -117,6 +122,9 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, self.info.is_rank0, cfg.run.tensorboard,
                                      cfg.run.progress, cfg.train.steps)
         self._stop_requested = False
+        self.hang = HangWatch(self.run_dir, self.info.rank, self.info.world_size)
+        self._skipped_in_row = 0
+        self._recent_losses: deque[float] = deque(maxlen=20)  # applied steps, for spike_factor
         self._setup_checkpointing()
 
     def _take_run_lock(self) -> None:
@@ -178,6 +186,7 @@ class Trainer:
             self._print(f"resumed from {self.run_dir / 'checkpoints'} at step {self.state.step}")
 
     def _save(self) -> None:
+        self.hang.enter(f"step {self.state.step} checkpoint save")
         self.ckpt.save(self.state.step, self.ckpt_state)
 
     # ------------------------------------------------------------------ loop
@@ -193,18 +202,74 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step: forward/backward over the micro-batches, clip, update."""
         mbs = [next(self.train_loader) for _ in range(self.microbatches)]
+        step = self.state.step + 1
+        self.hang.enter(f"step {step} forward_backward")
         loss = self.engine.forward_backward(mbs, self.precision)
-        skipped = self.precision.unscale_and_check(self.engine.parameters(), self.engine.any_rank)
+        self.hang.enter(f"step {step} gradient checks and norm")
+        overflow = self.precision.unscale_and_check(self.engine.parameters(), self.engine.any_rank)
+        # the norm is global (all-reduced), so every rank sees the same value
+        # and takes the same decision: parameters stay identical across ranks
         grad_norm = self.engine.clip_grad_norm_(self.cfg.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
+        skipped = self._skip_reason(overflow, loss, grad_norm)
         if not skipped:
+            self.hang.enter(f"step {step} optimizer_step")
             self.engine.optimizer_step(self.optimizer)
             self.objective.after_step()
+            self._recent_losses.append(loss)
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += self.objective.step_units()[1]
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+        self._count_skip(skipped)
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": bool(skipped)}
+
+    def _skip_reason(self, overflow: bool, loss: float, grad_norm: float) -> str:
+        """Why this step's update must not be applied ("" = apply it); the
+        same answer on every rank."""
+        if overflow:
+            return f"fp16 overflow, loss scale now {self.precision.scale:g}"
+        if self.engine.any_rank(not math.isfinite(grad_norm) or not math.isfinite(loss)):
+            return f"non-finite values: first in {self._first_nonfinite(loss)}"
+        factor, recent = self.cfg.train.spike_factor, self._recent_losses
+        if factor and len(recent) >= 5:
+            median = statistics.median(recent)
+            if self.engine.any_rank(loss > factor * median):
+                return (f"loss spike: {loss:.4f} > train.spike_factor {factor:g} x median "
+                        f"{median:.4f} of the last {len(recent)} steps")
+        return ""
+
+    def _first_nonfinite(self, loss: float) -> str:
+        """The first non-finite tensor of each rank that has one (the loss,
+        else the first parameter gradient in model order), e.g. "the grad of
+        layers.0.attention.wq.weight on rank 1"."""
+        local = "" if math.isfinite(loss) else "the loss"
+        for part in self.engine.parts:
+            for name, p in part.named_parameters():
+                if local:
+                    break
+                g = p.grad
+                g = g.to_local() if hasattr(g, "to_local") else g
+                if g is not None and not torch.isfinite(g).all():
+                    local = f"the grad of {name}"
+        found = [local]
+        if self.info.world_size > 1:
+            found = [None] * self.info.world_size
+            torch.distributed.all_gather_object(found, local)
+        named = [f"{what} on rank {r}" for r, what in enumerate(found) if what]
+        return ", ".join(named[:4]) or "the reduced gradients (not in any rank's parameters)"
+
+    def _count_skip(self, reason: str) -> None:
+        self._skipped_in_row = self._skipped_in_row + 1 if reason else 0
+        if not reason:
+            return
+        step, limit = self.state.step, self.cfg.train.max_skipped_steps
+        self._print(f"step {step}: skipped the update ({reason})")
+        if limit and self._skipped_in_row >= limit:
+            raise RunStopped(
+                f"step {step}: {self._skipped_in_row} steps in a row skipped (train."
+                f"max_skipped_steps={limit}); last: {reason}. Lower the learning rate, check "
+                "the data near this step, or resume from an earlier checkpoint")
 
     def evaluate(self) -> float:
         return self.engine.eval_loss(iter(self.val_loader), self.precision)
@@ -239,6 +304,8 @@ class Trainer:
                               "step_time_s": dt, unit: self.state.tokens_seen}
                     if cfg.precision == "fp16":
                         record["loss_scale"] = self.precision.scale
+                    if out["skipped"]:
+                        record["skipped"] = True
                     self.metrics.log(record)
                     self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s")
                     if not sys.stderr.isatty():
@@ -261,7 +328,11 @@ class Trainer:
         except Exception as e:
             lost = describe_lost_peer(e, self.peers, self.info.rank) if self.peers else None
             if lost is None:
-                raise
+                hung = self.hang.report()
+                if hung is None:
+                    raise
+                print(f"error: rank {self.info.rank}: {hung}", file=sys.stderr, flush=True)
+                raise RunStopped(hung) from e
             print(f"error: rank {self.info.rank}: {lost}", file=sys.stderr, flush=True)
             raise HostLostError(lost) from e
         finally:
@@ -275,6 +346,7 @@ class Trainer:
         return None if model is None else self.objective.sample(model)
 
     def close(self) -> None:
+        self.hang.close()
         self.ckpt.close()
         self.metrics.close()
         shutdown_distributed()
