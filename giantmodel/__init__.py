@@ -47,7 +47,18 @@ def from_hf(path: str, device: str = "cpu", dtype=None):
     return _from_hf(path, device=device, dtype=dtype)
 
 
+def from_diffusers(path: str, device: str = "cpu", dtype=None):
+    """Load a diffusers Stable Diffusion 1.x/2.x pipeline directory. The result
+    has ``.unet(sample, timestep, encoder_hidden_states)``, ``.vae.encode(images)``
+    (the posterior mean), ``.vae.decode(latents)``, ``.text_encoder(input_ids)``
+    (last_hidden_state), the scheduler settings in ``.noise`` and the
+    tokenizer in ``.tokenizer``."""
+    # lazy, like from_hf
+    from giantmodel.models.sd.diffusers_io import from_diffusers as _from_diffusers
+    return _from_diffusers(path, device=device, dtype=dtype)
+
+
 # Makes dist.init_process_group("giant") work after `import giantmodel`.
 register_backend()
 
-__all__ = ["__version__", "from_hf"]
+__all__ = ["__version__", "from_diffusers", "from_hf"]

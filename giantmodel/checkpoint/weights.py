@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from giantmodel.checkpoint import layout
-from giantmodel.checkpoint.manager import dcp_error_message, dcp_load
+from giantmodel.checkpoint.integrity import CheckpointIntegrityError
+from giantmodel.checkpoint.manager import dcp_error_message, dcp_load, verify_checkpoint
 from giantmodel.checkpoint.state import ModelState
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.loader import from_dict
@@ -43,9 +44,13 @@ def load_model_weights(parts: nn.Module | list[nn.Module], path: str | os.PathLi
         load_hf_into(parts, path, keep=keep)
         return Path(path)
     step_dir = layout.resolve_checkpoint_dir(path)
+    problems = verify_checkpoint(step_dir, process_group)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointIntegrityError(f"{step_dir} failed verification: {problems[0]}{more}")
     try:
         dcp_load({"model": ModelState(parts, keep)}, step_dir, process_group)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with its cause
+    except (Exception, CheckpointException) as e:  # reported with its cause
         raise UserInputError(f"{step_dir}: cannot load model weights ({dcp_error_message(e)}); "
                              "was the checkpoint saved by a model with this config?") from None
     return step_dir

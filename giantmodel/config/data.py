@@ -17,9 +17,26 @@ from pathlib import Path
 from typing import Literal
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.images import ImageDataConfig
+from giantmodel.config.modes import refuse_unused
 
-SOURCES = ("builtin", "indexed", "synthetic", "sft")
+SOURCES = ("builtin", "indexed", "synthetic", "sft", "images", "shapes")
+IMAGE_SOURCES = ("images", "shapes")
 SYNTHETIC_PATTERNS = ("arithmetic", "random")
+# Which sources read a key; the others refuse it (see config.modes).
+_SFT = ("sft",)
+_READ_BY = {
+    "paths": ("indexed", "sft", "images"), "weights": ("indexed",),
+    "valid_paths": ("indexed", "sft"), "tokenizer": ("indexed", "sft"),
+    "valid_fraction": ("indexed", "synthetic", "sft"),
+    "synthetic_vocab_size": ("synthetic",), "synthetic_pattern": ("synthetic",),
+    "synthetic_num_samples": ("synthetic",), "builtin_vocab_size": ("builtin",),
+    "builtin_max_bytes": ("builtin",), "builtin_valid_every": ("builtin",),
+    # the corpus, the tiny chat model, the latent caches and the tiny VAE
+    "cache_dir": ("builtin", "sft", *IMAGE_SOURCES),
+    "cache_latents": IMAGE_SOURCES, "images": IMAGE_SOURCES,
+    "format": _SFT, "chat_template": _SFT, "mask_prompt": _SFT, "pack": _SFT, "truncate": _SFT,
+}
 
 
 @dataclass
@@ -29,14 +46,20 @@ class DataConfig:
     .py sources, tokenized and cached on first use; needs no files), "indexed"
     (Megatron-LM .bin/.idx datasets listed in ``paths``, made by
     ``giantmodel preprocess`` or Megatron-LM's own tools) or "synthetic"
-    (token ids generated from the seed; for tests and benchmarks) or "sft"
-    (supervised fine-tuning conversations from ``paths``; see the sft block)."""
+    (token ids generated from the seed; for tests and benchmarks), "sft"
+    (supervised fine-tuning conversations from ``paths``; see the sft block).
+    Image sources for the diffusion objective: "images" (an image folder with
+    ``metadata.jsonl``, or a Hugging Face dataset saved to disk, in ``paths``)
+    and "shapes" (captioned coloured shapes generated from the seed; needs
+    no files)."""
 
     paths: list[str] = field(default_factory=list)
     """Indexed dataset path prefixes (``PREFIX`` for ``PREFIX.bin`` + ``PREFIX.idx``)
     for source "indexed". Several are blended by ``weights``. For source
     "sft": jsonl/json files or Hugging Face dataset directories
-    (``save_to_disk``); empty: the bundled tiny instruction set."""
+    (``save_to_disk``); empty: the bundled tiny instruction set. For source
+    "images": one image folder (``metadata.jsonl`` lines of ``{"file_name": ...,
+    "text": ...}``) or a directory written by ``datasets.save_to_disk``."""
 
     weights: list[float] = field(default_factory=list)
     """Blend weights, one per entry of ``paths`` (normalised; need not sum to 1).
@@ -81,9 +104,17 @@ class DataConfig:
     builtin_valid_every: int = 20
     """One of every this many standard-library files is held out for validation."""
 
+    cache_latents: bool = False
+    """Image sources: encode every image once with the frozen VAE (and the
+    frozen text encoder), store the result under ``cache_dir`` and train from
+    it; random crops cannot be cached, flips are (both orientations)."""
+
+    images: ImageDataConfig = field(default_factory=ImageDataConfig)
+    """Image sources: resolution, cropping, flipping and dataset columns."""
+
     cache_dir: str | None = None
-    """Where the built-in corpus is cached; unset: ``$GIANTMODEL_CACHE``, else
-    ``~/.cache/giantmodel``."""
+    """Where the built-in corpus, the latent caches and the tiny default's
+    autoencoder are cached; unset: ``$GIANTMODEL_CACHE``, else ``~/.cache/giantmodel``."""
 
     # ---- source "sft": supervised fine-tuning (giantmodel.data.sft)
     format: Literal["auto", "alpaca", "messages", "sharegpt"] = "auto"
@@ -113,12 +144,15 @@ class DataConfig:
         if self.source not in SOURCES:
             raise ConfigError(f"unknown data source {self.source!r}; use one of "
                               f"{', '.join(SOURCES)}", key="data.source")
+        refuse_unused(self, "data", "source", _READ_BY)
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ConfigError(f"must be in [0, 1), got {self.valid_fraction}",
                               key="data.valid_fraction")
         if self.val_batches < 1:
             raise ConfigError(f"must be at least 1, got {self.val_batches}", key="data.val_batches")
-        if self.source == "indexed":
+        if self.source in IMAGE_SOURCES:
+            self._validate_images()
+        elif self.source == "indexed":
             self._validate_indexed()
         elif self.source == "synthetic":
             if self.synthetic_vocab_size is not None and self.synthetic_vocab_size < 2:
@@ -141,6 +175,16 @@ class DataConfig:
             if self.builtin_valid_every < 2:
                 raise ConfigError(f"must be at least 2, got {self.builtin_valid_every}",
                                   key="data.builtin_valid_every")
+
+    def _validate_images(self) -> None:
+        self.images.validate()
+        if self.source == "images" and len(self.paths) != 1:
+            raise ConfigError("source 'images' needs exactly one dataset: set data.paths=[DIR] "
+                              "(an image folder with metadata.jsonl, or a saved HF dataset)",
+                              key="data.paths")
+        if self.cache_latents and not self.images.center_crop:
+            raise ConfigError("random crops cannot be cached: set data.images.center_crop=true "
+                              "or data.cache_latents=false", key="data.cache_latents")
 
     def _validate_indexed(self) -> None:
         if not self.paths:

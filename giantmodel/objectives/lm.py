@@ -160,6 +160,12 @@ class LanguageModel(BaseObjective):
     def load_pretrained(self, parts: list[nn.Module], path: str | Path) -> Path:
         return load_model_weights(parts, path)
 
+    def model_name(self) -> str:
+        return self.model_cfg.name
+
+    def num_params(self) -> int:
+        return self.model_cfg.num_params()
+
     def step_units(self) -> tuple[str, int]:
         return "tokens", self.train_cfg.global_batch_size * self.train_cfg.seq_len
 

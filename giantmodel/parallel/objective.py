@@ -40,7 +40,10 @@ Outside the engine, the trainer asks the objective for its data loaders
 (``load_pretrained``), for which weights its checkpoints hold
 (``checkpoint_filter``: all of them by default; a LoRA fine-tune saves only
 its adapters, since the frozen base is ``checkpoint.init_from`` and never
-changes) and, after training, for a sample (``sample``).
+changes) and, after training, for a sample (``sample``). It calls
+``after_step()`` after every applied optimizer step and checkpoints the
+objects ``state()`` returns with the rest of the run (an objective that
+keeps an EMA of its weights needs both).
 Conversion to and from Hugging Face / diffusers formats lives beside each
 model and is reached through the objective (``export``).
 """
@@ -166,6 +169,23 @@ class BaseObjective:
         completed from ``checkpoint.init_from`` when training resumes, and
         by ``giantmodel convert`` when it is exported."""
         return None
+
+    def model_name(self) -> str:
+        """The model's name, for logs and the comm tuner's cache key."""
+        return self.name
+
+    def num_params(self) -> int:
+        """Parameters of the whole model, for logs and the comm tuner's cache key."""
+        return 0
+
+    def after_step(self) -> None:
+        """Runs after every applied optimizer step (an EMA of the weights updates here)."""
+        return None
+
+    def state(self) -> dict[str, Any]:
+        """Further objects (with state_dict / load_state_dict) checkpointed with the
+        run under these keys, e.g. an EMA of the weights; tensors may be DTensors."""
+        return {}
 
 
 def check_supported(objective: Objective, *, tp: int, cp: int, pp: int) -> None:

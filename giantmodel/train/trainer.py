@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from giantmodel.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState
+from giantmodel.checkpoint.run_dir import RunLock, check_run_paths
 from giantmodel.comm import backend_for
 from giantmodel.comm.autotune import tune
-from giantmodel.config import JobConfig, dump_config
+from giantmodel.config import ConfigError, JobConfig, dump_config
 from giantmodel.core.optim import SchedulerState, build_scheduler
 from giantmodel.core.precision import Precision
 from giantmodel.data.checks import check_data
@@ -66,6 +67,7 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, BaseObject
     (pipeline included), and what the objective's model supports."""
     cfg.validate()
     check_data(cfg.data)
+    check_run_paths(cfg)
     dims = ParallelDims.from_config(cfg, world_size)
     objective = build_objective(cfg)
     check_supported(objective, tp=dims.tp, cp=dims.cp, pp=dims.pp)
@@ -96,6 +98,8 @@ class Trainer:
         self.device = pick_device(cfg.train.device, self.info)
         backend, pg_options = backend_for(cfg.comm, self.device.type)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
+        self.run_lock = RunLock(self.run_dir)
+        self._take_run_lock()
         if self.info.world_size > 1:
             self.peers = gather_peer_hosts()
             self.placement = resolve_placement(cfg, self.dims, backend, log=self._print)
@@ -115,6 +119,23 @@ class Trainer:
         self._stop_requested = False
         self._setup_checkpointing()
 
+    def _take_run_lock(self) -> None:
+        """Rank 0 owns run.dir for the whole run; every rank fails with its
+        error when another run holds it (before anything is written)."""
+        err = ""
+        if self.info.is_rank0:
+            try:
+                self.run_lock.acquire()
+            except ConfigError as e:
+                err = str(e)
+        if self.info.world_size > 1:
+            box = [err]
+            torch.distributed.broadcast_object_list(box, src=0)
+            err = box[0]
+        if err:
+            shutdown_distributed()
+            raise ConfigError(err)
+
     def _bucket_mb(self) -> float:
         """The gradient bucket size for this run: on the giant backend,
         measured (or loaded from the tuning cache) for this machine, model
@@ -122,7 +143,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.comm.backend != "giant" or self.dims.dp * self.dims.cp == 1:
             return cfg.parallel.bucket_mb
-        choice = tune(self.dims.group("dp_cp"), cfg.comm, cfg.model.name, cfg.model.num_params())
+        choice = tune(self.dims.group("dp_cp"), cfg.comm, self.objective.model_name(),
+                      self.objective.num_params())
         self._print(f"comm: gradient buckets of {choice.bucket_mb:g} MiB "
                     f"({'cached' if choice.from_cache else 'tuned' if cfg.comm.autotune else 'fixed'})")
         return choice.bucket_mb
@@ -145,6 +167,7 @@ class Trainer:
             "data": self.train_loader,
             "rng": RNGState(),
             "trainer": self.state,
+            **self.objective.state(),
         }
         latest = self.ckpt.latest_step() if cfg.checkpoint.resume else None
         if cfg.checkpoint.init_from and (latest is None or keep is not None):
@@ -176,6 +199,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.engine.optimizer_step(self.optimizer)
+            self.objective.after_step()
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
         self.state.step += 1
@@ -191,7 +215,8 @@ class Trainer:
         flops_per_unit = self.objective.flops_per_unit()
         peak = peak_flops(self.device, cfg.precision) * self.info.world_size
         old_handler = signal.signal(signal.SIGTERM, self._request_stop)
-        self._print(f"giantmodel: {cfg.model.name} ({cfg.model.num_params() / 1e6:.1f}M params) "
+        self._print(f"giantmodel: {self.objective.model_name()} "
+                    f"({self.objective.num_params() / 1e6:.1f}M params) "
                     f"on {self.info.world_size} x {self.device.type}, {self.dims.summary}, "
                     f"steps {self.state.step}->{t.steps}")
         self.metrics.start(self.state.step)
@@ -253,6 +278,7 @@ class Trainer:
         self.ckpt.close()
         self.metrics.close()
         shutdown_distributed()
+        self.run_lock.release()
 
 
 def run_training(cfg: JobConfig) -> dict:
