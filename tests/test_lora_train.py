@@ -105,3 +105,15 @@ def test_convert_peft_and_merged_match_giantmodel(runs, capsys):
     assert (ours - plain).abs().max().item() > 1e-3  # the adapters change the output
     assert (ours - a).abs().max().item() < TOL
     assert (ours - b).abs().max().item() < TOL
+
+
+def test_run_path_preflight_leaves_builtin_weights_to_the_objective(tmp_path):
+    from giantmodel.checkpoint.run_dir import check_run_paths
+    from giantmodel.config.errors import ConfigError
+
+    cfg = load_config(overrides=TINY + ["train.seq_len=16", f"run.dir={tmp_path / 'run'}",
+                                        "checkpoint.init_from=builtin:tiny-chat"])
+    check_run_paths(cfg)  # built on first use by the objective, not a path
+    cfg.checkpoint.init_from = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_run_paths(cfg)
