@@ -54,7 +54,7 @@ def _cases(init: str) -> list[tuple[str, list[str]]]:
 @pytest.mark.timeout(480)
 def test_lora_and_packed_fine_tuning_layouts_match_single_process(pretrained):
     cases = _cases(pretrained)
-    results = run_ranks(H.run_cases, 2, cases, timeout=300, retry_native_crash=True)[0]
+    results = run_ranks(H.run_cases, 2, cases, timeout=300)[0]
     refs: dict = {}
     failures = []
     for (arch, overrides), result in zip(cases, results, strict=True):

@@ -55,7 +55,9 @@ def check_run_paths(cfg: JobConfig) -> None:
             raise ConfigError(f"cannot create {run}: {probe} is not writable; fix its "
                               "permissions or choose another run.dir", key="run.dir")
     init = cfg.checkpoint.init_from
-    if init and not Path(init).exists():
+    # "builtin:NAME" is a model made on first use (giantmodel.data.sft_builtin),
+    # resolved and checked by the objective.
+    if init and not init.startswith("builtin:") and not Path(init).exists():
         raise ConfigError(f"{init} does not exist; give a Hugging Face directory or a "
                           "giantmodel checkpoint directory", key="checkpoint.init_from")
 
