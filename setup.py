@@ -23,7 +23,7 @@ except ImportError:  # a source tree without csrc/: pure-Python install
 # ruff is pinned: its rule set changes between releases, and CI checks it.
 TEST = ["pytest>=7", "pytest-timeout>=2", "transformers>=4.45", "tokenizers>=0.19",
         "datasets>=2.19", "pyarrow>=14", "tensorboard>=2.14", "import-linter>=2.1",
-        "ruff==0.17.6"]
+        "ruff==0.17.6", "peft>=0.13", "torchao>=0.10"]
 
 setup(
     name="giantmodel",
@@ -45,6 +45,8 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=4.45", "tokenizers>=0.19", "datasets>=2.19", "pyarrow>=14"],
+        # QLoRA's NF4 base weights; peft only to load exported adapters.
+        "lora": ["torchao>=0.10", "peft>=0.13"],
         "sd": ["diffusers>=0.30", "transformers>=4.45", "Pillow>=10"],
         "te": ["transformer-engine[pytorch]>=1.10"],
         "test": TEST,

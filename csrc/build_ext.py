@@ -42,10 +42,12 @@ def source_paths() -> list[Path]:
 
 
 def compile_library(out_path: str | os.PathLike, cxx: str | None = None,
-                    verbose: bool = False) -> Path:
+                    verbose: bool = False, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the shared library to ``out_path`` atomically; returns the path.
 
-    Raises RuntimeError with the compiler output when compilation fails.
+    ``extra_flags`` go to the compiler after the defaults (tests build
+    variants such as ``-DGIANT_HAVE_FLOAT16=0``). Raises RuntimeError with the
+    compiler output when compilation fails.
     """
     cxx = cxx or find_cxx()
     if cxx is None:
@@ -53,7 +55,7 @@ def compile_library(out_path: str | os.PathLike, cxx: str | None = None,
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [*cxx.split(), *CXX_FLAGS, "-shared", "-o", str(tmp),
+    cmd = [*cxx.split(), *CXX_FLAGS, *extra_flags, "-shared", "-o", str(tmp),
            *map(str, source_paths()), *(f"-l{lib}" for lib in LINK_LIBS)]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)

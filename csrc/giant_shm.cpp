@@ -46,10 +46,15 @@ enum Dtype { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI32 = 4, kI64 = 5 };
 enum Op { kOpSum = 0, kOpAvg = 1, kOpMax = 2, kOpMin = 3 };
 enum Status { kOk = 0, kTimeout = 1, kPeerDied = 2, kBadArg = 3, kAborted = 4, kUnsupported = 5 };
 
-#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 12)
+// fp16 arithmetic needs _Float16 (GCC >= 12 on x86-64). Without it the core
+// reports fp16 as unsupported (gm_supports) and the backend delegates fp16
+// collectives. -DGIANT_HAVE_FLOAT16=0 forces that path, for its tests.
+#ifndef GIANT_HAVE_FLOAT16
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && (__GNUC__ >= 12)
 #define GIANT_HAVE_FLOAT16 1
 #else
 #define GIANT_HAVE_FLOAT16 0
+#endif
 #endif
 
 #if defined(__x86_64__)
@@ -314,15 +319,15 @@ void pcopy(Comm* c, void* dst, const void* src, int64_t bytes) {
 int preduce(Comm* c, void* d1, void* d2, const void* const* srcs, int nsrc, int64_t n,
             int dtype, int op, double scale) {
   const int es = elem_size(dtype);
-  int rc = 0;
+  std::atomic<int> rc{0};  // written by every pool thread that fails
   c->pool->run(n, 16, [&](int64_t b, int64_t e) {
     const void* local[kMaxRanks];
     for (int s = 0; s < nsrc; ++s) local[s] = static_cast<const char*>(srcs[s]) + b * es;
     void* o2 = d2 ? static_cast<char*>(d2) + b * es : nullptr;
     if (kernels().reduce(static_cast<char*>(d1) + b * es, o2, local, nsrc, e - b, dtype, op, scale) != 0)
-      rc = -1;
+      rc.store(-1, std::memory_order_relaxed);
   });
-  return rc;
+  return rc.load(std::memory_order_relaxed);  // Pool::run returns once every piece is done
 }
 
 // Element range [begin, end) of rank r's share of an m-element chunk. Shares
@@ -348,7 +353,10 @@ int check_op(int dtype, int op) {
 
 extern "C" {
 
-int gm_abi_version() { return 5; }
+int gm_abi_version() { return 6; }
+
+// 1 when gm_allreduce/gm_reduce_scatter handle this dtype and op here.
+int gm_supports(int dtype, int op) { return check_op(dtype, op) == kOk ? 1 : 0; }
 
 const char* gm_isa() { return kernels().isa; }
 
@@ -552,7 +560,10 @@ int gm_alltoall(void* h, const void* in, void* out, int64_t bytes) {
   const int W = c->world;
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  const int64_t region = std::max<int64_t>(64, c->slot / W / 64 * 64);
+  // W regions must fit in one buffer: 64-byte aligned when a region can be
+  // that large, else as large as fits (slot >= 4096 and W <= 128: >= 32 bytes).
+  int64_t region = c->slot / W;
+  if (region >= 64) region = region / 64 * 64;
   pcopy(c, dst + c->rank * bytes, src + c->rank * bytes, bytes);
   for (int64_t base = 0; base < bytes; base += region) {
     const int64_t m = std::min(region, bytes - base);

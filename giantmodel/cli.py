@@ -81,7 +81,12 @@ def _add_generate(sub) -> None:
     src.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
     src.add_argument("--diffusers", help="a diffusers Stable Diffusion pipeline directory")
     p.add_argument("--tokenizer", help="tokenizer (.model or tokenizer.json); default: the run's")
-    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--prompt", default="def ", help="text to continue, or the user's message "
+                   "when a chat template applies")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: on for runs fine-tuned with "
+                   "data.source=sft and HF tokenizers that carry a chat_template)")
+    p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)

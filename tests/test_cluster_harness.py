@@ -1,6 +1,7 @@
 """The emulated cluster: hosts with their own names and addresses, and shaped
 links (torchrun agents meeting across hosts: tests/test_cluster_launch.py)."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -53,6 +54,14 @@ def _link(c: EmulatedCluster, src: int, dst: int, mb: int) -> tuple[float, float
     return float(sink.communicate(timeout=30)[0]), float(rtt)
 
 
+def _class_bytes(c: EmulatedCluster, host: int) -> dict[str, tuple[str, int]]:
+    """{HTB class id: (rate, bytes sent)} on the host's NIC."""
+    out = subprocess.run(["tc", "-n", c.hosts[host].netns, "-s", "class", "show", "dev", "eth0"],
+                         check=True, capture_output=True, text=True).stdout
+    return {m[1]: (m[2], int(m[3])) for m in
+            re.finditer(r"class htb (\S+) .*?rate (\S+) .*?Sent (\d+) bytes", out, re.S)}
+
+
 def test_hosts_names_and_shaped_links():
     pair = Link(rate_mbit=800, delay_ms=0.2)
     with EmulatedCluster(3, link=Link(rate_mbit=100, delay_ms=1.0),
@@ -65,11 +74,19 @@ def test_hosts_names_and_shaped_links():
         assert resolved == c.hosts[1].ip
         slow_bw, slow_rtt = _link(c, 0, 2, mb=8)
         fast_bw, fast_rtt = _link(c, 0, 1, mb=40)
+        sent = _class_bytes(c, 0)
         netns = [h.netns for h in c.hosts]
-    # rate within 25% of the shape; the round trip includes both one-way delays
-    assert 75 <= slow_bw <= 110, slow_bw
-    assert 500 <= fast_bw <= 880, fast_bw
-    assert 2.0 <= slow_rtt <= 6.0, slow_rtt
-    assert 0.4 <= fast_rtt < slow_rtt / 2, (fast_rtt, slow_rtt)
+    # What the emulated links guarantee, however loaded the machine: a shaped
+    # rate bounds the throughput from above (unshaped veths carry Gbit/s), the
+    # delays bound the round trip from below (both one-way delays). How close
+    # a loaded host comes to the rate, or how fast it answers, is not asserted.
+    assert 0 < slow_bw <= 110, slow_bw
+    assert 0 < fast_bw <= 880, fast_bw
+    assert slow_rtt >= 2.0, slow_rtt
+    assert fast_rtt >= 0.4, fast_rtt
+    # the 40 MB to host1 went through the pair's own 800 Mbit/s class, the 8 MB
+    # to host2 through the NIC's 100 Mbit/s class
+    assert sent["1:2"][0] == "800Mbit" and sent["1:2"][1] >= 40 << 20, sent
+    assert sent["1:1"][0] == "100Mbit" and 8 << 20 <= sent["1:1"][1] < 40 << 20, sent
     left = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
     assert not any(ns in left for ns in netns), left

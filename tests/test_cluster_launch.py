@@ -85,10 +85,12 @@ def test_scripts_start_checkpoint_and_resume_exactly(tmp_path):
     (cached,) = (tmp_path / "cache" / "topology").glob("*.yaml")
     topo = load_topology(cached)
     assert topo.host_names == ["host0", "host1"] and topo.host_ranks == [[0, 1], [2, 3]]
-    assert 0.75 * 200 <= topo.beta[0, 2] * 8 / 1e6 <= 1.25 * 200, topo.beta[0, 2]
-    assert topo.beta[0, 1] > 5 * topo.beta[0, 2]
-    # the shaped 1 ms delay bounds the cross-host latency from below; how fast the
-    # host answers on its own link depends on the machine's load, so it is not asserted
+    # what the shaped link guarantees: its rate bounds the measured cross-host
+    # bandwidth from above, its 1 ms delay the latency from below. How close a
+    # loaded machine comes to the rate, and how fast a host answers on its own
+    # (unshaped) link, are not asserted; only that the probe tells the two apart
+    assert topo.beta[0, 2] * 8 / 1e6 <= 1.25 * 200, topo.beta[0, 2]
+    assert topo.beta[0, 1] > 2 * topo.beta[0, 2], (topo.beta[0, 1], topo.beta[0, 2])
     assert topo.alpha[0, 2] >= 1e-3, topo.alpha[0, 2]
 
 

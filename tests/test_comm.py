@@ -17,7 +17,7 @@ from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.testing import run_ranks
 
-needs_core = pytest.mark.skipif(_lib.load() is None, reason="C++ comm core not buildable here")
+needs_core = pytest.mark.skipif(_lib.skip_reason_for_tests() is not None, reason=str(_lib.skip_reason_for_tests()))
 
 SIZES = (0, 1, 17, 1001, 10_000_000)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,

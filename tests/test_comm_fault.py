@@ -21,7 +21,7 @@ from giantmodel.comm import _lib
 from giantmodel.comm.shm import list_segments, remove_stale_segments
 from giantmodel.testing import free_port
 
-needs_core = pytest.mark.skipif(_lib.load() is None, reason="C++ comm core not buildable here")
+needs_core = pytest.mark.skipif(_lib.skip_reason_for_tests() is not None, reason=str(_lib.skip_reason_for_tests()))
 WORLD = 3
 VICTIM = WORLD - 1
 

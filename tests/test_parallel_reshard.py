@@ -42,6 +42,13 @@ def _config(run_dir, overrides):
     return load_config(None, [*COMMON, f"run.dir={run_dir}", *overrides])
 
 
+def _end(trainer) -> None:
+    """Close a run but keep the process group for the next Trainer."""
+    trainer.ckpt.close()
+    trainer.metrics.close()
+    trainer.run_lock.release()
+
+
 def run_phase(run_dir, overrides: list[str], steps: int, evaluate: bool) -> dict:
     """Resume (or start) the run under one layout, train ``steps`` steps, save.
 
@@ -55,8 +62,7 @@ def run_phase(run_dir, overrides: list[str], steps: int, evaluate: bool) -> dict
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
     val = trainer.evaluate() if evaluate else None
     trainer._save()
-    trainer.ckpt.close()
-    trainer.metrics.close()
+    _end(trainer)
     return {"start": start, "losses": losses, "val": val, "lr_state_fits": lr_state_fits}
 
 
@@ -135,14 +141,14 @@ def _zero_resume(rank: int, world: int, root: str) -> dict:
                   "train.steps=4"]
         straight = Trainer(_config(f"{root}/straight{zero}", layout))
         ref = [straight.train_step()["loss"] for _ in range(4)]
-        straight.ckpt.close()
+        _end(straight)
         first = Trainer(_config(f"{root}/resumed{zero}", layout))
         got = [first.train_step()["loss"] for _ in range(2)]
         first._save()
-        first.ckpt.close()
+        _end(first)
         second = Trainer(_config(f"{root}/resumed{zero}", layout))
         got += [second.train_step()["loss"] for _ in range(2)]
-        second.ckpt.close()
+        _end(second)
         out[zero] = (ref, got, second.state.step)
     return out
 

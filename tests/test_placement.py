@@ -1,12 +1,16 @@
 """Rank placement: the traffic model, topology files, the cost model and the search."""
 
 import itertools
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from giantmodel.config import load_config
+from giantmodel import cli
+from giantmodel.config import dump_config, load_config
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.config.model import ModelConfig
 from giantmodel.core.traffic import mesh_traffic, param_counts
@@ -14,8 +18,10 @@ from giantmodel.distributed.links import derive_classes, from_host_matrices, loa
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.distributed.placement import CostModel, megatron_placement, plan_placement
 from giantmodel.models import build_model
+from giantmodel.planner.placement import place_on_topology
 
 MBIT = 1e6 / 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _two_hosts(host_ranks, inter_bytes=200 * MBIT, inter_lat=1e-3):
@@ -166,12 +172,53 @@ def test_a_1024_rank_plan_takes_under_10_seconds():
         "model.max_seq_len=4096", "train.seq_len=4096", "train.micro_batch_size=1",
         "train.global_batch_size=1024", "parallel.tp=8", "parallel.pp=4", "parallel.zero=1"])
     dims = ParallelDims.from_config(cfg, 1024)
-    t0 = time.perf_counter()
+    # CPU time: a loaded machine stretches wall time, not the work
+    t0 = time.process_time()
     r = plan_placement(cfg, dims, topo)
-    assert time.perf_counter() - t0 < 10
+    assert time.process_time() - t0 < 10 and "cap" not in r.method
     tp_groups = np.asarray(r.placement).reshape(-1, 8)
     assert all(len({int(topo.host_of[x]) for x in g}) == 1 for g in tp_groups)
     assert r.cost_s < r.identity_s / 3
+
+
+def _cyclic_16(tmp_path) -> Path:
+    """2 hosts x 8 ranks dealt cyclically (host n0: even ranks), NVLink inside."""
+    raw = {"hosts": [{"name": f"n{h}", "ranks": list(range(h, 16, 2)), "nics": 1}
+                     for h in range(2)],
+           "classes": [{"name": "nvlink", "latency_us": 3, "bandwidth_gbytes": 150,
+                        "groups": "hosts"},
+                       {"name": "ib", "latency_us": 12, "bandwidth_gbytes": 12}]}
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_plan_topology_and_the_run_choose_the_same_placement(tmp_path, capsys):
+    topo_file = _cyclic_16(tmp_path)
+    out = tmp_path / "plan.yaml"
+    assert cli.main(["plan", "--config", str(REPO / "configs/llama/13b.yaml"), "--gpu",
+                     "a100-80g", "--nodes", "2", "--gpus-per-node", "8", "--top", "1",
+                     "--topology", str(topo_file), "--out", str(out)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "placement: auto ->" in x]
+    printed = json.loads(line.split("-> ")[1].split(" predicted")[0])
+    run_cfg = load_config(out, validate=False)
+    assert run_cfg.parallel.placement == "auto" and run_cfg.comm.topology == str(topo_file)
+    # what resolve_placement does on rank 0 at start-up, with the written config
+    dims = ParallelDims.from_config(run_cfg, 16)
+    assert plan_placement(run_cfg, dims, load_topology(run_cfg.comm.topology)
+                          ).placement == printed
+    # a layout with tp (the plan above picks tp1 here): 16 ranks are searched by
+    # swaps, which stop on the inputs alone, so plan and run agree exactly
+    cfg = _cfg("parallel.tp=4")
+    placed = place_on_topology(cfg, str(topo_file), 16)
+    dump_config(cfg, tmp_path / "run.yaml")
+    again = load_config(tmp_path / "run.yaml", validate=False)
+    topo = load_topology(again.comm.topology)
+    r = plan_placement(again, ParallelDims.from_config(again, 16), topo)
+    assert r.placement == placed.placement and r.method == "nesting orders + swaps"
+    tp_groups = np.asarray(r.placement).reshape(-1, 4)
+    assert all(len({int(topo.host_of[x]) for x in g}) == 1 for g in tp_groups)
+    assert r.cost_s < r.identity_s
 
 
 def test_auto_config_is_accepted_and_bad_topology_fails_before_any_group(tmp_path):

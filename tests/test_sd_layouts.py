@@ -51,8 +51,7 @@ def _check(cases, results, cache, **tol):
 @pytest.mark.timeout(600)
 def test_sd_two_rank_layouts_match_single_process(tmp_path):
     cache = str(tmp_path)
-    results = run_ranks(H.run_cases, 2, TWO_RANKS + MIXED, cache, timeout=500,
-                        retry_native_crash=True)[0]
+    results = run_ranks(H.run_cases, 2, TWO_RANKS + MIXED, cache, timeout=500)[0]
     _check(TWO_RANKS, results[:len(TWO_RANKS)], cache)
     # Adam's early steps move a weight by about lr whatever the gradient's size, so
     # rounding that flips a tiny gradient's sign moves it by up to 2 lr a step:
@@ -71,6 +70,5 @@ FOUR_RANKS = [
 @pytest.mark.timeout(600)
 def test_sd_four_rank_hsdp_matches_single_process(tmp_path):
     cache = str(tmp_path)
-    results = run_ranks(H.run_cases, 4, FOUR_RANKS, cache, timeout=500,
-                        retry_native_crash=True)[0]
+    results = run_ranks(H.run_cases, 4, FOUR_RANKS, cache, timeout=500)[0]
     _check(FOUR_RANKS, results, cache)

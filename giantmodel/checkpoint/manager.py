@@ -13,8 +13,10 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,10 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from giantmodel.checkpoint import layout
+from giantmodel.checkpoint import integrity, layout
+from giantmodel.checkpoint.integrity import CheckpointIntegrityError, SafeFileSystemReader, safe_load
 from giantmodel.checkpoint.state import ModelState, is_per_rank, model_config_of
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.loader import to_dict
@@ -34,22 +37,6 @@ from giantmodel.config.train import CheckpointConfig
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-
-
-def _numpy_globals() -> list:
-    """What the restricted unpickler needs for numeric and string numpy
-    arrays and scalars, which data loader states often hold."""
-    import numpy as np
-    core = getattr(np, "_core", None) or np.core
-    dtype_classes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDGUS"}
-    return [np.ndarray, np.dtype, core.multiarray._reconstruct, core.multiarray.scalar,
-            *dtype_classes]
-
-
-def safe_load(fileobj) -> Any:
-    """``torch.load`` with ``weights_only=True``, plus numpy arrays/scalars."""
-    with torch.serialization.safe_globals(_numpy_globals()):
-        return torch.load(fileobj, map_location="cpu", weights_only=True)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -89,6 +76,28 @@ def dcp_error_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _load_advice(cause: str) -> str:
+    """What to do about a DCP load failure: a state that does not match the
+    checkpoint is a config change; anything else is a damaged file."""
+    if any(k in cause for k in ("mismatch", "Missing key", "Unexpected key", "KeyError", "size")):
+        return ("If the config changed, use a new run.dir or set checkpoint.resume=false")
+    return ("A file of the checkpoint looks damaged; set checkpoint.fallback=true to resume "
+            "from the newest older checkpoint that verifies")
+
+
+def _free_space(path: Path) -> str:
+    """"12.3 MB free on that file system", or why it cannot be told: a full
+    disk often surfaces as an obscure writer error, so the save error says it."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as e:
+        return f"free space unknown ({e.strerror})"
+    return f"{free / 1e6:.1f} MB free on that file system"
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -102,11 +111,44 @@ def _quiet_single_process():
         yield
 
 
+class CheckpointSaveError(UserInputError, RuntimeError):
+    """A save failed (disk full, quota, I/O error); the previous checkpoint
+    stays the latest. The CLI prints it as one ``error:`` line."""
+
+
 def dcp_load(state: dict[str, Any], path: Path, process_group=None) -> None:
-    """Load ``state`` in place from the DCP checkpoint at ``path``."""
+    """Load ``state`` in place from the DCP checkpoint at ``path``, running no
+    pickled code (see :mod:`giantmodel.checkpoint.integrity`)."""
     with _quiet_single_process():
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=SafeLoadPlanner(),
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
                  process_group=process_group, no_dist=not _distributed())
+
+
+def verify_checkpoint(path: Path, process_group=None) -> list[str]:
+    """What is wrong with the checkpoint at ``path``: files against their
+    saved checksums, and its DCP metadata against the restricted unpickler.
+    Empty when it is fit to load. Collective under a process group."""
+    problems = integrity.find_problems(path, process_group)
+    if not problems:
+        try:
+            md = integrity.read_dcp_metadata(path / layout.DCP_METADATA)
+        except CheckpointIntegrityError as e:
+            return [str(e)]
+        # Also holds for checkpoints saved before checksums existed.
+        problems = integrity.storage_problems(path, md)
+    return problems
+
+
+def _errors_on_any_rank(error: BaseException | str | None, group) -> list[str]:
+    """Every rank's error message (rank-tagged), on every rank: so that a
+    failure on one rank stops all of them at the same point instead of
+    leaving the others waiting in the next collective."""
+    text = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
+    if not _distributed():
+        return [text] if text else []
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, text, group=group)
+    return [f"rank {r}: {t}" if len(out) > 1 else t for r, t in enumerate(out) if t]
 
 
 class CheckpointManager:
@@ -130,6 +172,10 @@ class CheckpointManager:
         dist_on = _distributed()
         self.rank = dist.get_rank(process_group) if dist_on else 0
         self.world_size = dist.get_world_size(process_group) if dist_on else 1
+        # Which run the checkpoints written here belong to: new for a fresh
+        # start, inherited on resume. Retention counts only this run's.
+        self.run_id = uuid.uuid4().hex
+        self._warned_foreign = False
         # A background save must not interleave its collectives with the
         # training step's on the same group, so it gets a gloo group of its own.
         self._async_pg = None
@@ -144,42 +190,77 @@ class CheckpointManager:
     # ------------------------------------------------------------------ queries
 
     def latest_step(self) -> int | None:
-        """Step of the newest complete checkpoint, or None. Under a process
-        group every rank must call it; all get rank 0's answer, so ranks
-        never disagree about whether and where to resume."""
-        return broadcast_from_rank0(layout.read_latest(self.dir), self.pg)
+        """Step of the last committed checkpoint (the one ``latest`` names), or
+        None. Under a process group every rank must call it; all get rank 0's
+        answer, so ranks never disagree about whether and where to resume.
+        Rank 0 first repairs a re-save that a crash interrupted."""
+        step = None
+        if self.is_rank0:
+            self._recover()
+        if self.is_rank0 or not _distributed():  # a reader (generate) repairs nothing
+            step = layout.read_latest(self.dir)
+        return broadcast_from_rank0(step, self.pg)
 
     def step_dir(self, step: int) -> Path:
         return self.dir / layout.step_dirname(step)
+
+    def _recover(self) -> None:
+        for what in layout.recover_interrupted(self.dir):
+            log.warning("checkpoint directory %s: %s (a save of that step was interrupted)",
+                        self.dir, what)
 
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as checkpoint ``step``: synchronously, or in the
-        background with ``cfg.async_save`` (then promoted when it finishes)."""
+        background with ``cfg.async_save`` (then promoted when it finishes).
+        A failure on any rank raises :class:`CheckpointSaveError` on every
+        rank, removes the partial ``.tmp`` directory and leaves ``latest``
+        where it was."""
         self.wait()
         tmp = self.dir / (layout.step_dirname(step) + ".tmp")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if self.is_rank0:
-            layout.remove_stale_tmp(self.dir)
-        barrier(self.pg)  # nobody writes into a directory rank 0 is clearing
+        error = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if self.is_rank0:
+                self._recover()
+                layout.remove_stale_tmp(self.dir)
+                self._warn_foreign_checkpoints()
+        except OSError as e:
+            error = e
+        self._raise_if_failed(error, step, tmp)  # also: nobody writes into what rank 0 clears
         dcp_state, per_rank = _split(state)
-        self._write_per_rank(tmp, step, per_rank)
+        error = None
+        try:
+            self._write_per_rank(tmp, step, per_rank)
+        except Exception as e:  # torch.save reports a full disk as RuntimeError
+            error = e
+        self._raise_if_failed(error, step, tmp)
         writer = FileSystemWriter(str(tmp), sync_files=True)
         meta = self._meta(step, state, dcp_state, per_rank)
-        if not self.cfg.async_save:
-            try:
-                with _quiet_single_process():
-                    dcp.save(dcp_state, storage_writer=writer, process_group=self.pg,
-                             no_dist=not _distributed())
-            except CheckpointException as e:  # a BaseException: make it an ordinary error
-                raise RuntimeError(f"saving checkpoint step {step} into {tmp} failed "
-                                   f"({dcp_error_message(e)}); step "
-                                   f"{layout.read_latest(self.dir)} stays the latest") from None
-            if self.is_rank0:
-                self._promote(tmp, step, meta)
-            barrier(self.pg)
+        if self.cfg.async_save:
+            self._save_in_background(step, tmp, dcp_state, writer, meta)
             return
+        error = None
+        try:
+            with _quiet_single_process():
+                dcp.save(dcp_state, storage_writer=writer, process_group=self.pg,
+                         no_dist=not _distributed())
+        except (Exception, CheckpointException) as e:  # DCP raises its
+            # CheckpointException (a BaseException) under a process group, the cause without
+            error = dcp_error_message(e)
+        self._raise_if_failed(error, step, tmp)
+        error = None
+        try:
+            # every rank hashes its share of the files; rank 0 commits
+            table = integrity.compute_checksums(tmp, self.pg)
+            if self.is_rank0:
+                self._promote(tmp, step, meta, table)
+        except Exception as e:  # reported on every rank below
+            error = e
+        self._raise_if_failed(error, step, tmp)
+
+    def _save_in_background(self, step: int, tmp: Path, dcp_state: dict, writer, meta: dict) -> None:
         self._finalized.clear()
         self._pending_error = None
         started = time.perf_counter()
@@ -193,14 +274,33 @@ class CheckpointManager:
             try:
                 f.result()
                 if self.is_rank0:
-                    self._promote(tmp, step, meta)
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                    # no collectives from this thread: rank 0 hashes every file
+                    self._promote(tmp, step, meta, integrity.compute_checksums(tmp, distributed=False))
+            except BaseException as e:  # surfaced by wait()
                 self._pending_error = e
+                if self.is_rank0:
+                    shutil.rmtree(tmp, ignore_errors=True)
             finally:
                 self._finalized.set()
 
         self._pending = future
         future.add_done_callback(on_done)
+
+    def _raise_if_failed(self, error: BaseException | None, step: int, tmp: Path) -> None:
+        """Collective: if any rank failed, every rank raises the same error and
+        rank 0 removes the partial save."""
+        errors = _errors_on_any_rank(error, self.pg)
+        if not errors:
+            return
+        if self.is_rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier(self.pg)  # rank 0's answer below sees the cleaned directory
+        latest = layout.read_latest(self.dir) if self.dir.is_dir() else None
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} into {self.dir} failed ({'; '.join(errors)}); "
+            f"{f'step {latest}' if latest is not None else 'no checkpoint'} stays the latest. "
+            f"{_free_space(self.dir)}; free space or fix permissions there "
+            "(checkpoint.keep bounds how many checkpoints are kept)")
 
     def wait(self) -> None:
         """Block until a background save has finished and been promoted;
@@ -210,10 +310,11 @@ class CheckpointManager:
         self._pending = None
         self._finalized.wait()  # set by the done-callback, whatever the outcome
         error, self._pending_error = self._pending_error, None
-        barrier(self.pg)
-        if error is not None:
-            raise RuntimeError(f"background checkpoint save failed ({dcp_error_message(error)}); "
-                               f"step {layout.read_latest(self.dir)} stays the latest") from None
+        errors = _errors_on_any_rank(error, self.pg)
+        if errors:
+            raise CheckpointSaveError(
+                f"background checkpoint save failed ({'; '.join(errors)}); "
+                f"step {layout.read_latest(self.dir)} stays the latest")
 
     def close(self) -> None:
         self.wait()
@@ -234,6 +335,7 @@ class CheckpointManager:
     def _meta(self, step: int, state: dict[str, Any], dcp_state: dict, per_rank: dict) -> dict:
 
         meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size,
+                "run_id": self.run_id,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "dcp_keys": sorted(dcp_state), "per_rank_keys": sorted(per_rank)}
         models = [v for v in state.values() if isinstance(v, ModelState)]
@@ -242,41 +344,86 @@ class CheckpointManager:
             meta["model_config"] = to_dict(cfg)
         return meta
 
-    def _promote(self, tmp: Path, step: int, meta: dict) -> None:
+    def _promote(self, tmp: Path, step: int, meta: dict, checksums: dict) -> None:
         with self._lock:
-            (tmp / layout.META).write_text(json.dumps(meta, indent=2))
+            meta = {**meta, "saved_at_ns": time.time_ns()}
+            meta_path = tmp / layout.META
+            meta_path.write_text(json.dumps(meta, indent=2))
+            checksums[layout.META] = integrity.file_checksum(meta_path)
+            integrity.write_checksums(tmp, checksums)
             layout.promote(tmp, self.step_dir(step))
-            deleted = layout.apply_retention(self.dir, self.cfg.keep)
+            deleted = layout.apply_retention(self.dir, self.cfg.keep, self.run_id)
         log.info("saved checkpoint %s%s", self.step_dir(step),
                  f" (removed steps {deleted})" if deleted else "")
+
+    def _warn_foreign_checkpoints(self) -> None:
+        """Say once that run.dir holds another run's checkpoints (a fresh start
+        with checkpoint.resume=false, or a copied directory): they are kept."""
+        if self._warned_foreign:
+            return
+        self._warned_foreign = True
+        foreign = [s for s in layout.complete_steps(self.dir)
+                   if layout.read_meta(self.step_dir(s)).get("run_id") != self.run_id]
+        if foreign:
+            log.warning("%s also holds checkpoints of another run (steps %s); they are kept, "
+                        "never count toward checkpoint.keep, and `latest` now follows this run",
+                        self.dir, foreign)
 
     # ------------------------------------------------------------------ load
 
     def load(self, state: dict[str, Any], step: int | None = None) -> int:
         """Load ``state`` in place from checkpoint ``step`` (default: the
-        latest complete one) and return that step."""
+        latest) and return the step loaded. Files are verified against their
+        checksums first; when the latest fails and ``cfg.fallback`` is set,
+        the newest older checkpoint that verifies is loaded instead (a step
+        asked for explicitly, other than the latest, never falls back)."""
         self.wait()
+        latest = self.latest_step()
         if step is None:
-            step = self.latest_step()
+            step = latest
             if step is None:
                 raise FileNotFoundError(f"no complete checkpoint under {self.dir}")
+        step = self._pick_verified(step, fallback=self.cfg.fallback and step == latest)
         path = self.step_dir(step)
-        if not layout.is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint; complete steps: "
-                                    f"{layout.complete_steps(self.dir)}")
         dcp_state, per_rank = _split(state)
         if dcp_state:
             try:
                 dcp_load(dcp_state, path, self.pg)
             except (Exception, CheckpointException) as e:
+                cause = dcp_error_message(e)
                 raise UserInputError(
                     f"cannot load {path} into this run's state ({', '.join(sorted(dcp_state))}): "
-                    f"{dcp_error_message(e)}. If the config changed, use a new run.dir or set "
-                    "checkpoint.resume=false") from None
+                    f"{cause}. {_load_advice(cause)}") from None
         if per_rank:
             self._load_per_rank(path, per_rank)
+        self.run_id = layout.read_meta(path).get("run_id", self.run_id)
         log.info("loaded checkpoint %s", path)
         return step
+
+    def _pick_verified(self, step: int, fallback: bool) -> int:
+        """``step`` if it verifies; else, with ``fallback``, the newest older
+        complete checkpoint that does. Collective; raises naming the bad file."""
+        candidates = [step]
+        if fallback:
+            older = [s for s in layout.complete_steps(self.dir) if s < step] if self.is_rank0 else []
+            candidates += sorted(broadcast_from_rank0(older, self.pg), reverse=True)
+        for i, candidate in enumerate(candidates):
+            path = self.step_dir(candidate)
+            if not layout.is_complete(path):
+                problems = [f"{path} is not a complete checkpoint"]
+            else:
+                problems = verify_checkpoint(path, self.pg)
+            if not problems:
+                return candidate
+            what = f"checkpoint step {candidate} failed verification: {problems[0]}" + (
+                f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            if i + 1 < len(candidates):
+                log.warning("%s; checkpoint.fallback=true: trying step %d", what, candidates[i + 1])
+                continue
+            hint = ("no older checkpoint verifies either" if fallback else
+                    "set checkpoint.fallback=true to resume from the newest good checkpoint instead")
+            raise CheckpointIntegrityError(f"{what}; {hint}")
+        raise AssertionError("unreachable")
 
     def _load_per_rank(self, path: Path, per_rank: dict[str, Any]) -> None:
         saved_world = layout.read_meta(path).get("world_size", self.world_size)
@@ -306,8 +453,7 @@ class CheckpointManager:
 
 
 def _read_rank_file(path: Path) -> dict:
-    with open(path, "rb") as fh:
-        return safe_load(fh)
+    return integrity.safe_load_file(path)
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

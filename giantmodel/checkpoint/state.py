@@ -16,7 +16,7 @@ writes it to one small file per rank instead.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import numpy as np
@@ -63,22 +63,34 @@ class ModelState:
 
     ``parts`` are the modules this rank holds: one for plain, DDP, FSDP2 and
     tensor-parallel models; one per virtual stage under pipeline parallelism.
+    ``keep`` selects the names that are saved and loaded (all when None):
+    LoRA checkpoints keep only the adapters, whose frozen base stays in its
+    pretrained directory.
     """
 
-    def __init__(self, parts: nn.Module | Iterable[nn.Module]):
+    def __init__(self, parts: nn.Module | Iterable[nn.Module],
+                 keep: Callable[[str], bool] | None = None):
         self.parts = _as_parts(parts)
+        self.keep = keep
+
+    def _own(self, part: nn.Module) -> dict[str, Any]:
+        state = get_model_state_dict(part)
+        if self.keep is None:
+            return state
+        return {k: v for k, v in state.items() if self.keep(k)}
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for part in self.parts:
-            out.update(get_model_state_dict(part))
+            out.update(self._own(part))
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part in self.parts:
-            keys = get_model_state_dict(part).keys()
+            keys = self._own(part).keys()
+            # A partial state (only ``keep``'s names) cannot be strict.
             set_model_state_dict(part, {k: state[k] for k in keys},
-                                 options=StateDictOptions(strict=True))
+                                 options=StateDictOptions(strict=self.keep is None))
 
 
 class _PartsView(nn.Module):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _PKG_DIR = Path(__file__).resolve().parent
 _CSRC = _PKG_DIR.parent.parent / "csrc"
 
@@ -39,6 +39,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                              ctypes.c_double, ctypes.c_char_p)
     sigs = {
         "gm_abi_version": (i32, []),
+        "gm_supports": (i32, [i32, i32]),
         "gm_isa": (cp, []),
         "gm_unlink": (i32, [cp]),
         "gm_open": (vp, [cp, i32, i32, i64, i32, i32, dbl, ctypes.c_char_p, i32]),
@@ -87,16 +88,43 @@ def _sources_digest() -> str | None:
     return h.hexdigest()[:16]
 
 
-def _jit_build() -> Path | None:
-    digest = _sources_digest()
-    if digest is None:
+def _build_ext_module():
+    """``csrc/build_ext.py`` as a module, or None in an install without sources."""
+    if not (_CSRC / "build_ext.py").is_file():
         return None
     spec = importlib.util.spec_from_file_location("giantmodel_build_ext", _CSRC / "build_ext.py")
     if spec is None or spec.loader is None:
         return None
     build_ext = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_ext)
-    if build_ext.find_cxx() is None:
+    return build_ext
+
+
+def can_build() -> bool:
+    """True where the sources and a C++ compiler are present: there a core
+    that fails to build or load is a bug to report, not a reason to skip."""
+    build_ext = _build_ext_module()
+    return build_ext is not None and _sources_digest() is not None and build_ext.find_cxx() is not None
+
+
+def skip_reason_for_tests() -> str | None:
+    """Why tests of the C++ core should skip here, or None when they must run:
+    they skip only where the core can be neither loaded nor built, so a
+    failed build fails the suite instead of turning into skips."""
+    if load() is not None or can_build():
+        return None
+    return f"C++ comm core unavailable and not buildable here ({load_error()})"
+
+
+def load_error() -> str | None:
+    """Why :func:`load` found no library (None when it found one or was not called)."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _jit_build() -> Path | None:
+    digest = _sources_digest()
+    build_ext = _build_ext_module()
+    if digest is None or build_ext is None or build_ext.find_cxx() is None:
         return None
     out = cache_dir() / "comm" / f"libgiant_shm-{digest}.so"
     if out.exists():
@@ -131,9 +159,14 @@ def load() -> ctypes.CDLL | None:
         try:
             path = _jit_build()
             lib = _try_load(path) if path is not None else None
-        except Exception as exc:  # noqa: BLE001 - fall back to delegation, loudly
+            if path is not None and lib is None:
+                _state["error"] = f"built {path} but could not load it (see the info log)"
+        except Exception as exc:  # fall back to delegation, loudly
+            _state["error"] = str(exc)
             log.warning("giantmodel.comm: could not build the C++ core: %s", exc)
     if lib is None:
+        _state.setdefault("error", "no library found and none built (no compiler or sources, "
+                                   "or GIANTMODEL_COMM_NO_JIT=1)")
         log.warning("giantmodel.comm: C++ shared-memory core unavailable (build it with "
                     "`python csrc/build_ext.py`); the 'giant' backend delegates every "
                     "collective to gloo/NCCL")

@@ -143,13 +143,18 @@ class GiantProcessGroup(dist.ProcessGroup):
         """True when CPU collectives run on the shared-memory core."""
         return self._shm is not None
 
-    def _fast(self, tensors, op_code: int | None = OP_SUM, flat_only: bool = True) -> bool:
+    def _fast(self, tensors, op_code: int | None = OP_SUM, flat_only: bool = True,
+              reduces: bool = True) -> bool:
+        """Whether the shared-memory core runs this collective; else it is
+        delegated. Copies take any dtype the core knows; reductions only the
+        ones this build can add (fp16 needs compiler support)."""
         if self._shm is None or op_code is None:
             return False
         if flat_only and self.topology.num_nodes > 1:
             return False
+        dtypes = self._shm.reducible if reduces else DTYPE_CODES
         for t in tensors:
-            if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or t.is_sparse:
+            if t.device.type != "cpu" or t.dtype not in dtypes or t.is_sparse:
                 return False
             if op_code == OP_AVG and not t.is_floating_point():
                 return False
@@ -207,7 +212,7 @@ class GiantProcessGroup(dist.ProcessGroup):
     def _cpu_reduce_ok(self, tensors, op) -> bool:
         return (self._settings.cuda_cpu_reduce and self._shm is not None and op is not None
                 and self.topology.num_nodes == 1 and bool(tensors)
-                and all(t.device.type == "cuda" and t.dtype in DTYPE_CODES
+                and all(t.device.type == "cuda" and t.dtype in self._shm.reducible
                         and t.is_contiguous() for t in tensors))
 
     def _cuda_allreduce(self, tensors, opts, op: int, scale: float) -> dist.Work:
@@ -286,7 +291,7 @@ class GiantProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_single(output_tensors[0], flat, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        ok = (self._fast([input, output]) and input.dtype == output.dtype
+        ok = (self._fast([input, output], reduces=False) and input.dtype == output.dtype
               and output.numel() == input.numel() * self.size())
         if not ok:
             return self._delegated(self._inner([input])._allgather_base(output, input, opts))
@@ -310,7 +315,7 @@ class GiantProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, input_list, opts=None):
-        if len(input_list) != 1 or not self._fast(list(input_list) + list(output_lists[0])):
+        if len(input_list) != 1 or not self._fast(list(input_list) + list(output_lists[0]), reduces=False):
             return self._delegated(self._inner(input_list).allgather(output_lists, input_list,
                                                                      opts))
         inp, outs = input_list[0], output_lists[0]
@@ -330,7 +335,7 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     # ---- broadcast / all-to-all / barrier ------------------------------
     def broadcast(self, tensors, opts=None):
-        if not self._fast(tensors) or len(tensors) != 1:
+        if not self._fast(tensors, reduces=False) or len(tensors) != 1:
             return self._delegated(self._inner(tensors).broadcast(tensors, opts))
         t, root = tensors[0], opts.rootRank
 
@@ -346,7 +351,7 @@ class GiantProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
         even = not output_split_sizes and not input_split_sizes
-        ok = (even and self._fast([input, output]) and input.dtype == output.dtype
+        ok = (even and self._fast([input, output], reduces=False) and input.dtype == output.dtype
               and input.numel() == output.numel() and input.numel() % self.size() == 0)
         if not ok:
             return self._delegated(self._inner([input]).alltoall_base(

@@ -92,6 +92,10 @@ class ShmGroup:
         self._handle: int | None = None
         self._name = ""
         self._open(store)
+        # What this build reduces (fp16 needs compiler support): the backend
+        # delegates the rest instead of failing.
+        self.reducible = {dt for dt, code in DTYPE_CODES.items()
+                          if self.lib.gm_supports(code, OP_SUM)}
         if world > (os.cpu_count() or 1):
             self.lib.gm_set_spin(self._handle, 0, 2)  # oversubscribed: sleep, don't spin
 

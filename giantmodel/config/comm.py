@@ -5,9 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.modes import refuse_unused
 
 BACKENDS = ("auto", "gloo", "nccl", "giant")
 HIERARCHICAL = ("auto", "on", "off")
+# These tune the giant backend; other backends refuse them. ``autotune`` is
+# not listed: turning the tuner off where there is none changes nothing.
+_GIANT_ONLY = ("chunk_kb", "threads", "hierarchical", "node_size", "priority", "cuda_cpu_reduce",
+               "autotune_refresh", "autotune_cache_dir", "bucket_mb")
 
 
 @dataclass
@@ -93,3 +98,4 @@ class CommConfig:
             raise ConfigError("CPU-Reduce is a feature of the giant backend; set "
                               "comm.backend=giant or comm.cuda_cpu_reduce=false",
                               key="comm.cuda_cpu_reduce")
+        refuse_unused(self, "comm", "backend", dict.fromkeys(_GIANT_ONLY, ("giant",)))

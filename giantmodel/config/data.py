@@ -14,13 +14,29 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.images import ImageDataConfig
+from giantmodel.config.modes import refuse_unused
 
-SOURCES = ("builtin", "indexed", "synthetic", "images", "shapes")
+SOURCES = ("builtin", "indexed", "synthetic", "sft", "images", "shapes")
 IMAGE_SOURCES = ("images", "shapes")
 SYNTHETIC_PATTERNS = ("arithmetic", "random")
+# Which sources read a key; the others refuse it (see config.modes).
+_SFT = ("sft",)
+_READ_BY = {
+    "paths": ("indexed", "sft", "images"), "weights": ("indexed",),
+    "valid_paths": ("indexed", "sft"), "tokenizer": ("indexed", "sft"),
+    "valid_fraction": ("indexed", "synthetic", "sft"),
+    "synthetic_vocab_size": ("synthetic",), "synthetic_pattern": ("synthetic",),
+    "synthetic_num_samples": ("synthetic",), "builtin_vocab_size": ("builtin",),
+    "builtin_max_bytes": ("builtin",), "builtin_valid_every": ("builtin",),
+    # the corpus, the tiny chat model, the latent caches and the tiny VAE
+    "cache_dir": ("builtin", "sft", *IMAGE_SOURCES),
+    "cache_latents": IMAGE_SOURCES, "images": IMAGE_SOURCES,
+    "format": _SFT, "chat_template": _SFT, "mask_prompt": _SFT, "pack": _SFT, "truncate": _SFT,
+}
 
 
 @dataclass
@@ -30,8 +46,9 @@ class DataConfig:
     .py sources, tokenized and cached on first use; needs no files), "indexed"
     (Megatron-LM .bin/.idx datasets listed in ``paths``, made by
     ``giantmodel preprocess`` or Megatron-LM's own tools) or "synthetic"
-    (token ids generated from the seed; for tests and benchmarks). Image
-    sources for the diffusion objective: "images" (an image folder with
+    (token ids generated from the seed; for tests and benchmarks), "sft"
+    (supervised fine-tuning conversations from ``paths``; see the sft block).
+    Image sources for the diffusion objective: "images" (an image folder with
     ``metadata.jsonl``, or a Hugging Face dataset saved to disk, in ``paths``)
     and "shapes" (captioned coloured shapes generated from the seed; needs
     no files)."""
@@ -39,6 +56,8 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     """Indexed dataset path prefixes (``PREFIX`` for ``PREFIX.bin`` + ``PREFIX.idx``)
     for source "indexed". Several are blended by ``weights``. For source
+    "sft": jsonl/json files or Hugging Face dataset directories
+    (``save_to_disk``); empty: the bundled tiny instruction set. For source
     "images": one image folder (``metadata.jsonl`` lines of ``{"file_name": ...,
     "text": ...}``) or a directory written by ``datasets.save_to_disk``."""
 
@@ -47,8 +66,9 @@ class DataConfig:
     Empty: each dataset is weighted by its size, i.e. plain concatenation."""
 
     valid_paths: list[str] = field(default_factory=list)
-    """Indexed dataset prefixes used only for validation. Empty: the last
-    ``valid_fraction`` of each training dataset's documents is held out."""
+    """Indexed dataset prefixes (source "sft": files) used only for validation.
+    Empty: the last ``valid_fraction`` of each training dataset's documents
+    (sft: of all examples) is held out."""
 
     valid_fraction: float = 0.01
     """Fraction of each dataset's documents (its last ones) held out for
@@ -57,7 +77,9 @@ class DataConfig:
     tokenizer: str | None = None
     """Tokenizer for source "indexed": a SentencePiece .model, a Hugging Face
     tokenizer.json, or a directory holding one. It must be the one the data
-    was preprocessed with. Unused by "builtin" (it trains its own)."""
+    was preprocessed with. Unused by "builtin" (it trains its own). For
+    "sft": a Hugging Face tokenizer (its ``chat_template`` is used when
+    ``chat_template`` is auto); unset: the one in ``checkpoint.init_from``."""
 
     val_batches: int = 8
     """Validation micro-batches per data-parallel rank in one evaluation."""
@@ -94,11 +116,35 @@ class DataConfig:
     """Where the built-in corpus, the latent caches and the tiny default's
     autoencoder are cached; unset: ``$GIANTMODEL_CACHE``, else ``~/.cache/giantmodel``."""
 
+    # ---- source "sft": supervised fine-tuning (giantmodel.data.sft)
+    format: Literal["auto", "alpaca", "messages", "sharegpt"] = "auto"
+    """Record format of sft files: alpaca (instruction/input/output), messages
+    (OpenAI-style role/content list), sharegpt (conversations of from/value),
+    or auto (told apart per record by its keys)."""
+
+    chat_template: str = "auto"
+    """How conversations become text: auto (the tokenizer's own chat_template,
+    else the built-in matching its special tokens, else alpaca), a built-in
+    (llama3, chatml, alpaca), a .jinja file, or inline Jinja text."""
+
+    mask_prompt: bool = True
+    """Only assistant (response) tokens carry loss; system, user and prompt
+    tokens are labelled IGNORE_INDEX. false: every token carries loss."""
+
+    pack: bool = False
+    """Pack several examples into each train.seq_len row; attention stays
+    within each example (block-diagonal causal) and positions restart."""
+
+    truncate: bool = True
+    """Examples longer than train.seq_len + 1 tokens: true cuts them to fit,
+    false drops them; the count is reported either way."""
+
     def validate(self) -> None:
         """Check values (files are checked by ``giantmodel.data.checks``)."""
         if self.source not in SOURCES:
             raise ConfigError(f"unknown data source {self.source!r}; use one of "
                               f"{', '.join(SOURCES)}", key="data.source")
+        refuse_unused(self, "data", "source", _READ_BY)
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ConfigError(f"must be in [0, 1), got {self.valid_fraction}",
                               key="data.valid_fraction")
@@ -118,6 +164,8 @@ class DataConfig:
             if self.synthetic_num_samples < 1:
                 raise ConfigError(f"must be at least 1, got {self.synthetic_num_samples}",
                                   key="data.synthetic_num_samples")
+        elif self.source == "sft":
+            self._validate_sft()
         else:
             if not 300 <= self.builtin_vocab_size <= 65000:
                 raise ConfigError(f"must be in [300, 65000], got {self.builtin_vocab_size}",
@@ -154,6 +202,14 @@ class DataConfig:
             raise ConfigError("source 'indexed' needs the tokenizer the data was made with: "
                               "set data.tokenizer=PATH (.model, tokenizer.json or a directory)",
                               key="data.tokenizer")
+
+    def _validate_sft(self) -> None:
+        if not self.chat_template.strip():
+            raise ConfigError("must not be empty; use auto, llama3, chatml, alpaca, a .jinja "
+                              "file or inline Jinja", key="data.chat_template")
+        if self.weights:
+            raise ConfigError("source 'sft' does not blend datasets; remove data.weights",
+                              key="data.weights")
 
     def resolved_cache_dir(self) -> Path:
         base = self.cache_dir or os.environ.get("GIANTMODEL_CACHE") or "~/.cache/giantmodel"

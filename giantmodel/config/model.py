@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.modes import refuse_unused
 
 
 @dataclass
@@ -89,6 +90,8 @@ class ModelConfig:
             raise ConfigError(f"RoPE needs an even head dim, got {self.dim_per_head}", "model.head_dim")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"must be in [0, 1), got {self.dropout}", "model.dropout")
+        # GPT has learned positions: RoPE settings would be ignored
+        refuse_unused(self, "model", "arch", {"rope_theta": ("llama",), "rope_scaling": ("llama",)})
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Exact parameter count of the model this config builds."""

@@ -8,6 +8,7 @@ from typing import Literal
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.lora import LoRAConfig
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
 from giantmodel.config.sd import SDConfig
@@ -19,8 +20,11 @@ class JobConfig:
     """One training job. Its defaults are the embedded default run: a tiny
     LLaMA trained on the Python standard library's sources, on the CPU."""
 
-    objective: Literal["lm", "diffusion"] = "lm"
-    """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and supervised fine-tuning) or "diffusion" (Stable Diffusion text-to-image and DreamBooth; the ``sd`` section)."""
+    objective: Literal["lm", "lora", "diffusion"] = "lm"
+    """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and
+    supervised fine-tuning), "lora" (low-rank adapters on a frozen base, set in
+    the lora section) or "diffusion" (Stable Diffusion text-to-image and
+    DreamBooth; the ``sd`` section)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture and shape."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -45,8 +49,10 @@ class JobConfig:
     """Activation offload to host memory."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory and reporting."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters for the lora objective (ignored by the others)."""
     sd: SDConfig = field(default_factory=SDConfig)
-    """Stable Diffusion models and recipe (objective "diffusion")."""
+    """Stable Diffusion models and recipe (objective "diffusion"; ignored by the others)."""
 
     def validate(self) -> None:
         """Checks that need no process group and no world size."""
@@ -57,7 +63,9 @@ class JobConfig:
         self.checkpoint.validate()
         self.comm.validate()
         self.data.validate()
-        if self.objective == "diffusion":
+        if self.objective == "lora":
+            self.lora.validate(self.model.arch)
+        elif self.objective == "diffusion":
             self.sd.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
@@ -70,5 +78,4 @@ class JobConfig:
                 f"has {len(self.recompute_layers)} entries but model.num_layers is "
                 f"{self.model.num_layers}; give one mode per layer, or null to use recompute",
                 "recompute_layers")
-        if self.offload.prefetch_layers < 0:
-            raise ConfigError("must be >= 0", "offload.prefetch_layers")
+        self.offload.validate()

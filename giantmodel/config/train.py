@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.modes import refuse_unused
 
 
 @dataclass
@@ -41,12 +42,13 @@ class TrainConfig:
         for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"must be positive, got {getattr(self, key)}", f"train.{key}")
-        if self.eval_every < 0 or self.sample_tokens < 0:
-            raise ConfigError("eval_every and sample_tokens must be >= 0", "train")
+        for key in ("eval_every", "sample_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"must be >= 0, got {getattr(self, key)}", f"train.{key}")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of "
-                f"micro_batch_size {self.micro_batch_size}", "train.global_batch_size")
+                f"{self.global_batch_size} is not a multiple of micro_batch_size "
+                f"{self.micro_batch_size} (train.micro_batch_size)", "train.global_batch_size")
 
 
 @dataclass
@@ -86,7 +88,10 @@ class OptimConfig:
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError("must be in (0, 1]", "optim.decay_fraction")
         if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError("grad_clip and weight_decay must be >= 0", "optim")
+            bad = "grad_clip" if self.grad_clip < 0 else "weight_decay"
+            raise ConfigError(f"must be >= 0, got {getattr(self, bad)}", f"optim.{bad}")
+        refuse_unused(self, "optim", "schedule", {"decay_fraction": ("wsd",),
+                                                  "min_lr": ("cosine", "linear", "wsd")})
 
 
 @dataclass
@@ -105,10 +110,13 @@ class CheckpointConfig:
     """Start from these weights instead of a random init: a Hugging Face directory or a giantmodel checkpoint directory."""
     save_final: bool = True
     """Save after the last step even when it is not a multiple of every."""
+    fallback: bool = False
+    """When the latest checkpoint fails verification (a file missing, truncated or corrupted), resume from the newest older one that passes instead of stopping with an error."""
 
     def validate(self) -> None:
-        if self.every < 0 or self.keep < 0:
-            raise ConfigError("every and keep must be >= 0", "checkpoint")
+        for key in ("every", "keep"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"must be >= 0, got {getattr(self, key)}", f"checkpoint.{key}")
 
 
 @dataclass
@@ -119,6 +127,11 @@ class OffloadConfig:
     """Move saved activations to pinned host memory after forward; bring them back for backward."""
     prefetch_layers: int = 1
     """How many layers ahead backward prefetches offloaded activations."""
+
+    def validate(self) -> None:
+        if self.prefetch_layers < 0:
+            raise ConfigError("must be >= 0", "offload.prefetch_layers")
+        refuse_unused(self, "offload", "activations", {"prefetch_layers": (True,)})
 
 
 @dataclass

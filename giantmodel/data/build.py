@@ -8,6 +8,7 @@ from giantmodel.data.builtin import builtin_from_config
 from giantmodel.data.indexed import IndexedDataset
 from giantmodel.data.loader import TrainLoader, ValLoader, check_batch_layout
 from giantmodel.data.samples import BlendedSamples, PackedTokens, SyntheticSamples, split_documents
+from giantmodel.data.sft import build_sft_sources, sft_tokenizer_path
 from giantmodel.data.tokenizer import Tokenizer, load_tokenizer
 
 # Separate RNG streams so validation never shares a permutation with training.
@@ -20,6 +21,8 @@ def vocab_size_of(cfg: DataConfig) -> int | None:
         return cfg.synthetic_vocab_size
     if cfg.source == "builtin":
         return cfg.builtin_vocab_size  # SentencePiece trains exactly this many pieces
+    if cfg.source == "sft":
+        return load_tokenizer(sft_tokenizer_path(cfg)).vocab_size
     return load_tokenizer(cfg.tokenizer).vocab_size
 
 
@@ -30,7 +33,9 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
         return load_tokenizer(builtin_from_config(cfg).tokenizer)
     if cfg.source == "synthetic":
         raise ConfigError("synthetic data has no tokenizer; text generation needs "
-                          "data.source=builtin or indexed", key="data.source")
+                          "data.source=builtin, indexed or sft", key="data.source")
+    if cfg.source == "sft":
+        return load_tokenizer(sft_tokenizer_path(cfg))
     return load_tokenizer(cfg.tokenizer)
 
 
@@ -74,6 +79,10 @@ def build_samples(cfg: DataConfig, *, seq_len: int, seed: int, vocab_size: int |
         t, v = IndexedDataset(corpus.train_prefix), IndexedDataset(corpus.valid_prefix)
         train = [PackedTokens(t.tokens, seq_len, name="stdlib-train")]
         valid = [PackedTokens(v.tokens, seq_len, name="stdlib-valid")]
+        weights = None
+    elif cfg.source == "sft":
+        t_rows, v_rows = build_sft_sources(cfg, seq_len=seq_len)
+        train, valid = [t_rows], [v_rows] if v_rows is not None else []
         weights = None
     else:
         train, valid = _indexed_sources(cfg, seq_len)

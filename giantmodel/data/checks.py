@@ -11,8 +11,9 @@ import os
 
 from giantmodel.config.data import DataConfig
 from giantmodel.config.errors import ConfigError, UserInputError
-from giantmodel.data.indexed import read_index_header
-from giantmodel.data.tokenizer import resolve_tokenizer_path
+from giantmodel.data.indexed import check_token_ids, read_index_header
+from giantmodel.data.sft import check_sft
+from giantmodel.data.tokenizer import load_tokenizer, resolve_tokenizer_path
 
 
 def check_data(cfg: DataConfig) -> None:
@@ -22,9 +23,14 @@ def check_data(cfg: DataConfig) -> None:
         _check_indexed(cfg)
     elif cfg.source == "builtin":
         _check_cache_dir(cfg)
+    elif cfg.source == "sft":
+        check_sft(cfg)
 
 
 def _check_indexed(cfg: DataConfig) -> None:
+    """Every dataset's index, the length of its .bin, the tokenizer, then the
+    token ids against the tokenizer's vocabulary (which the trainer checks
+    against model.vocab_size): bad data fails here, before the first step."""
     for key, prefixes in (("data.paths", cfg.paths), ("data.valid_paths", cfg.valid_paths)):
         for p in prefixes:
             try:
@@ -32,9 +38,21 @@ def _check_indexed(cfg: DataConfig) -> None:
             except UserInputError as e:
                 raise ConfigError(str(e), key=key) from None
     try:
-        resolve_tokenizer_path(cfg.tokenizer)
+        path = resolve_tokenizer_path(cfg.tokenizer)
     except UserInputError as e:
         raise ConfigError(str(e), key="data.tokenizer") from None
+    try:
+        vocab = load_tokenizer(path).vocab_size
+    except Exception as e:  # any parse failure of the user's file
+        raise ConfigError(f"cannot read the tokenizer {path} ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else 'empty'})",
+                          key="data.tokenizer") from None
+    for key, prefixes in (("data.paths", cfg.paths), ("data.valid_paths", cfg.valid_paths)):
+        for p in prefixes:
+            try:
+                check_token_ids(p, vocab)
+            except UserInputError as e:
+                raise ConfigError(str(e), key=key) from None
 
 
 def _check_cache_dir(cfg: DataConfig) -> None:

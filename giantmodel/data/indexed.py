@@ -253,3 +253,40 @@ class IndexedDataset:
                 "`giantmodel preprocess`")
         start = int(ptr[0]) // item
         return start, start + int(lens.sum())
+
+
+# A full pass over a .bin this size or smaller finds every out-of-range token
+# id before training starts; larger ones are sampled here (their head, tail
+# and evenly spaced windows) and checked completely as samples are read.
+FULL_SCAN_TOKENS = 1 << 30
+_SCAN_CHUNK = 1 << 24
+
+
+def _scan_windows(n: int) -> list[tuple[int, int]]:
+    if n <= FULL_SCAN_TOKENS:
+        return [(s, min(n, s + _SCAN_CHUNK)) for s in range(0, n, _SCAN_CHUNK)]
+    head = [(0, _SCAN_CHUNK * 8), (n - _SCAN_CHUNK * 8, n)]
+    step = n // 64
+    return head + [(i * step, min(n, i * step + _SCAN_CHUNK)) for i in range(64)]
+
+
+def check_token_ids(prefix: str | os.PathLike, vocab_size: int) -> None:
+    """Raise :class:`UserInputError` naming ``PREFIX.bin`` if it stores a
+    token id outside ``[0, vocab_size)``, or tokens of a non-integer dtype."""
+    ds = IndexedDataset(prefix)  # also checks the .idx and the .bin's length
+    bp = bin_path(ds.prefix)
+    if ds.dtype.kind not in "iu":
+        raise UserInputError(f"{idx_path(ds.prefix)} declares {ds.dtype} tokens (dtype code "
+                             f"{_CODE_OF[ds.dtype]}); token ids must be integers: the file was "
+                             "written by another tool or is corrupt")
+    for start, end in _scan_windows(len(ds.tokens)):
+        chunk = np.asarray(ds.tokens[start:end])
+        if chunk.size == 0:
+            continue
+        lo, hi = int(chunk.min()), int(chunk.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+            raise UserInputError(
+                f"{bp} holds token id {int(chunk[bad])} at token {start + bad}, outside the "
+                f"tokenizer's vocabulary [0, {vocab_size}): the data was made with another "
+                "tokenizer than data.tokenizer, or is corrupt")

@@ -29,7 +29,33 @@ from giantmodel.data.samples import BlendedSamples
 STATE_VERSION = 1
 
 
-def _to_batch(samples: np.ndarray) -> dict[str, torch.Tensor]:
+def rows_to_batch(rows, packed: bool) -> dict[str, torch.Tensor]:
+    """Loader batch from fine-tuning rows ``[B, 3, T + 1]`` (tokens, labels,
+    document ids; :mod:`giantmodel.data.sft`): ``input_ids`` the tokens but
+    the last, ``labels`` the labels but the first; packed rows add
+    ``document_ids`` and ``position_ids`` restarting at every example."""
+    t = torch.as_tensor(rows)
+    batch = {"input_ids": t[:, 0, :-1].contiguous(), "labels": t[:, 1, 1:].contiguous()}
+    if packed:
+        docs = t[:, 2, :-1].contiguous()
+        batch["document_ids"] = docs
+        batch["position_ids"] = document_positions(docs)
+    return batch
+
+
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 wherever the document id changes."""
+    B, T = docs.shape
+    idx = torch.arange(T).expand(B, T)
+    start = torch.ones(B, T, dtype=torch.bool)
+    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    run_start = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - run_start
+
+
+def _to_batch(samples: np.ndarray, packed: bool = False) -> dict[str, torch.Tensor]:
+    if samples.ndim == 3:  # fine-tuning rows: tokens, labels, document ids
+        return rows_to_batch(samples, packed)
     t = torch.from_numpy(samples)  # [B, T+1] int64
     return {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
 
@@ -51,7 +77,9 @@ class TrainLoader:
     """Endless iterator of this rank's training micro-batches.
 
     Each item is ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}``
-    with ``labels`` the inputs shifted left by one.
+    with ``labels`` the inputs shifted left by one (``IGNORE_INDEX`` where a
+    token carries no loss). Packed fine-tuning rows add ``document_ids`` and
+    ``position_ids`` [B, T] (see giantmodel.data.sft).
     """
 
     def __init__(self, samples: BlendedSamples, *, global_batch_size: int, micro_batch_size: int,
@@ -84,7 +112,7 @@ class TrainLoader:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         idx = self.next_indices()
-        batch = _to_batch(self.samples.get_batch(idx.start, self.B))
+        batch = _to_batch(self.samples.get_batch(idx.start, self.B), self.samples.packed)
         self.micro += 1
         if self.micro == self.micro_per_step:
             self.micro = 0
@@ -155,7 +183,7 @@ class ValLoader:
         for j in range(num_batches):
             start = j * self.B * self.dp + self.rank * self.B
             rows = np.stack([self.samples.get((start + i) % n) for i in range(self.B)])
-            yield _to_batch(rows.astype(np.int64, copy=False))
+            yield _to_batch(rows.astype(np.int64, copy=False), self.samples.packed)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.batches(self.num_batches)

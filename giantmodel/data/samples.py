@@ -167,10 +167,18 @@ class BlendedSamples:
         src, pos = self.locate(g)
         return self.sources[src].get(pos)
 
+    @property
+    def packed(self) -> bool:
+        """Whether samples hold several documents that must not attend to each other."""
+        return any(getattr(s, "packed", False) for s in self.sources)
+
     def get_batch(self, start: int, count: int) -> np.ndarray:
-        """Samples ``start .. start+count-1`` stacked as int64 ``[count, seq_len+1]``."""
-        out = np.empty((count, self.seq_len + 1), dtype=np.int64)
-        for j in range(count):
+        """Samples ``start .. start+count-1`` stacked as int64 ``[count, seq_len+1]``
+        (``[count, 3, seq_len+1]`` for fine-tuning rows, see giantmodel.data.sft)."""
+        first = self.get(start)
+        out = np.empty((count,) + first.shape, dtype=np.int64)
+        out[0] = first
+        for j in range(1, count):
             out[j] = self.get(start + j)
         return out
 

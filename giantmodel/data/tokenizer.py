@@ -10,9 +10,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from giantmodel.config.errors import UserInputError
 
@@ -68,6 +71,45 @@ class SentencePieceTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def id_to_token(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and each token's character range [start, end) in ``text``.
+
+        SentencePiece encodes control pieces such as ``</s>`` as plain text, so
+        the BOS/EOS piece strings are split out first and mapped to their ids,
+        as chat templates that write ``eos_token`` into the text expect."""
+        specials = {self.id_to_token(i): i for i in (self.bos_id, self.eos_id) if i is not None}
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        pattern = "|".join(re.escape(t) for t in specials)
+        pos = 0
+        for m in (re.finditer(pattern, text) if pattern else ()):
+            self._encode_span(text, pos, m.start(), ids, offsets)
+            ids.append(specials[m.group()])
+            offsets.append((m.start(), m.end()))
+            pos = m.end()
+        self._encode_span(text, pos, len(text), ids, offsets)
+        return ids, offsets
+
+    def _encode_span(self, text: str, start: int, end: int, ids: list, offsets: list) -> None:
+        if start >= end:
+            return
+        chunk = text[start:end]
+        # Piece offsets are in UTF-8 bytes of the chunk; map them to characters.
+        byte_to_char = np.zeros(len(chunk.encode("utf-8")) + 1, dtype=np.int64)
+        b = 0
+        for i, ch in enumerate(chunk):
+            n = len(ch.encode("utf-8"))
+            byte_to_char[b:b + n] = i
+            b += n
+        byte_to_char[b] = len(chunk)
+        for piece in self._sp.encode(chunk, out_type="immutable_proto").pieces:
+            ids.append(int(piece.id))
+            offsets.append((start + int(byte_to_char[piece.begin]),
+                            start + int(byte_to_char[piece.end])))
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package."""
@@ -119,6 +161,15 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id)) or ""
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and each token's character range [start, end) in ``text``
+        (special tokens written in the text become their ids, as in HF)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
 
 def _token_name(v) -> str | None:

@@ -70,9 +70,9 @@ def schedule(pairs: list[tuple[int, int]], host_of) -> list[list[tuple[int, int]
 
 
 def _pingpong(me: int, peer: int, initiator: bool, reps_small: int, reps_large: int,
-              target_s: float) -> tuple[float, float] | None:
+              target_s: float, device: torch.device) -> tuple[float, float] | None:
     """One probe between ``me`` and ``peer``; (α s, β bytes/s) on the initiator."""
-    small = torch.zeros(2)
+    small = torch.zeros(2, device=device)
 
     def exchange(buf: torch.Tensor) -> float:
         t0 = time.perf_counter()
@@ -82,20 +82,22 @@ def _pingpong(me: int, peer: int, initiator: bool, reps_small: int, reps_large: 
         else:
             dist.recv(buf, peer)
             dist.send(small, peer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
     for _ in range(3):
         exchange(small)
     rtt = statistics.median(exchange(small) for _ in range(reps_small))
-    trial = exchange(torch.empty(TRIAL_BYTES // 4))
-    size = torch.tensor([0], dtype=torch.int64)
+    trial = exchange(torch.empty(TRIAL_BYTES // 4, device=device))
+    size = torch.tensor([0], dtype=torch.int64, device=device)
     if initiator:
         rate = TRIAL_BYTES / max(trial - rtt, 1e-7)
         size[0] = int(min(MAX_BYTES, max(MIN_BYTES, rate * target_s))) // 4 * 4
         dist.send(size, peer)
     else:
         dist.recv(size, peer)
-    big = torch.empty(int(size[0]) // 4)
+    big = torch.empty(int(size[0]) // 4, device=device)
     exchange(big)
     t = statistics.median(exchange(big) for _ in range(reps_large))
     if not initiator:
@@ -105,10 +107,13 @@ def _pingpong(me: int, peer: int, initiator: bool, reps_small: int, reps_large: 
 
 def probe_links(mode: str = "hosts", reps_small: int = 20, reps_large: int = 3,
                 target_s: float = 0.05, backend: str = "") -> LinkTopology:
-    """Measure the default process group's links; every rank returns the same result."""
+    """Measure the default process group's links; every rank returns the same result.
+    Messages live where the backend wants them: CUDA memory for NCCL."""
     if mode not in ("hosts", "all"):
         raise ValueError(f"mode must be 'hosts' or 'all', got {mode!r}")
     me, world = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu"))
     names, ranks = gather_hosts()
     host_of = np.empty(world, dtype=np.int64)
     for h, rs in enumerate(ranks):
@@ -124,7 +129,7 @@ def probe_links(mode: str = "hosts", reps_small: int = 20, reps_large: int = 3,
         for a, b in rnd:
             if me in (a, b):
                 res = _pingpong(me, b if me == a else a, me == a, reps_small, reps_large,
-                                target_s)
+                                target_s, device)
                 if res is not None:
                     found[(a, b)] = res
         dist.barrier()

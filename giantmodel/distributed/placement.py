@@ -22,8 +22,13 @@ tolerates the slowest; dp sits in between, all without being told.
 Search. Worlds of up to ``EXHAUSTIVE_MAX`` ranks try every permutation. Larger
 ones start from every nesting order of the mesh dimensions laid over the
 ranks sorted by the topology's levels (hosts, then link classes), keep the
-best, and improve it by swapping pairs of ranks while a swap lowers the cost,
-within a time budget (1,024 ranks: a few seconds). Placements that put a
+best, and improve it by swapping pairs of ranks in seeded batches until
+``STALE_BATCHES`` batches in a row find no better swap, or after
+``MAX_SWAP_BATCHES`` (1,024 ranks: a few seconds). The stop depends on the
+inputs only, never on how fast the machine is, so ``giantmodel plan
+--topology FILE`` and a run reading the same file choose the same placement; a
+wall-clock cap (``time_budget_s``) stops only a search that would run far past
+that, and the method in the log line then says so. Placements that put a
 pipeline group out of increasing rank order are never chosen (the pipeline
 schedules need it; see :func:`giantmodel.core.pipeline_split.check_pipeline_placement`).
 """
@@ -39,12 +44,14 @@ import numpy as np
 import torch.distributed as dist
 
 from giantmodel.core.layout import validate_placement
+from giantmodel.core.pipeline_split import check_pipeline_placement
 from giantmodel.core.traffic import Traffic, mesh_traffic
 from giantmodel.distributed.linkprobe import measure_or_load
 from giantmodel.distributed.links import LinkTopology, derive_classes
 from giantmodel.distributed.parallel_dims import MESH_DIMS
 
 EXHAUSTIVE_MAX = 8
+SWAP_BATCH, STALE_BATCHES, MAX_SWAP_BATCHES = 64, 8, 256
 _STEPS = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
           "all_gather": lambda n: (n - 1, (n - 1) / n),
           "reduce_scatter": lambda n: (n - 1, (n - 1) / n)}
@@ -192,7 +199,7 @@ def _nesting_candidates(shape: tuple[int, ...], order: list[int]) -> np.ndarray:
 
 
 def search_placement(degrees: dict[str, int], traffic: list[Traffic], topo: LinkTopology,
-                     time_budget_s: float = 5.0, seed: int = 0) -> PlacementResult:
+                     time_budget_s: float = 60.0, seed: int = 0) -> PlacementResult:
     """The placement with the least predicted communication time (see module doc)."""
     t0 = time.perf_counter()
     model = CostModel(degrees, traffic, topo)
@@ -210,8 +217,10 @@ def search_placement(degrees: dict[str, int], traffic: list[Traffic], topo: Link
                                   tuple(perms[i])))
         chosen, method, evaluated = perms[best], "exhaustive", len(perms)
     else:
-        chosen, evaluated = _local_search(model, topo, identity, megatron, time_budget_s, seed)
-        method = "nesting orders + swaps"
+        chosen, evaluated, capped = _local_search(model, topo, identity, megatron,
+                                                  time_budget_s, seed)
+        method = "nesting orders + swaps" + (f", stopped at the {time_budget_s:g} s cap"
+                                             if capped else "")
     cost, parts = model.cost(chosen[None], detail=True)
     return PlacementResult(
         placement=[int(x) for x in chosen], cost_s=float(cost[0]),
@@ -222,7 +231,7 @@ def search_placement(degrees: dict[str, int], traffic: list[Traffic], topo: Link
 
 
 def _local_search(model: CostModel, topo: LinkTopology, identity, megatron, budget: float,
-                  seed: int) -> tuple[np.ndarray, int]:
+                  seed: int) -> tuple[np.ndarray, int, bool]:
     t0 = time.perf_counter()
     starts = np.vstack([_nesting_candidates(model.shape, rank_order(topo)), identity, megatron])
     starts = np.asarray([_repair_pp(model, p) for p in starts])
@@ -232,12 +241,15 @@ def _local_search(model: CostModel, topo: LinkTopology, identity, megatron, budg
     evaluated = len(starts)
     rng = np.random.default_rng(seed)
     world = model.world
-    batch = 64
-    stale = 0
-    # stop after a few batches without a better swap, or at the budget
-    while time.perf_counter() - t0 < budget and stale < 8:
-        i = rng.integers(0, world, batch)
-        j = rng.integers(0, world, batch)
+    stale = batches = 0
+    capped = False
+    while stale < STALE_BATCHES and batches < MAX_SWAP_BATCHES:
+        if time.perf_counter() - t0 > budget:
+            capped = True
+            break
+        batches += 1
+        i = rng.integers(0, world, SWAP_BATCH)
+        j = rng.integers(0, world, SWAP_BATCH)
         keep = topo.host_of[best[i]] != topo.host_of[best[j]]
         i, j = i[keep], j[keep]
         if len(i) == 0:
@@ -253,7 +265,7 @@ def _local_search(model: CostModel, topo: LinkTopology, identity, megatron, budg
             best, best_cost, stale = cand[k], float(c[k]), 0
         else:
             stale += 1
-    return best, evaluated
+    return best, evaluated, capped
 
 
 def _repair_pp(model: CostModel, perm: np.ndarray) -> np.ndarray:
@@ -278,7 +290,7 @@ def explain(degrees: dict[str, int], traffic: list[Traffic], topo: LinkTopology,
 
 
 # ------------------------------------------------------------ at start-up
-def plan_placement(cfg, dims, topo: LinkTopology, time_budget_s: float = 5.0
+def plan_placement(cfg, dims, topo: LinkTopology, time_budget_s: float = 60.0
                    ) -> PlacementResult:
     """The placement for a job config on ``topo`` (no process group needed):
     what ``parallel.placement: auto`` resolves to, and what the planner shows."""
@@ -306,6 +318,7 @@ def resolve_placement(cfg, dims, backend: str, log=print) -> PlacementResult | N
     result: PlacementResult = box[0]
     dims.placement = validate_placement(result.placement, dims.world_size)
     dims.placement_pending = False
+    check_pipeline_placement(dims.mesh_layout(), dims.pp)
     cfg.parallel.placement = list(result.placement)
     if dist.get_rank() == 0:
         log(result.log_line())

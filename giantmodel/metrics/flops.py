@@ -9,19 +9,31 @@ counted: MFU measures useful model work, not hardware work.
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import cache
 
 import torch
 
-# Dense peak TFLOP/s (no sparsity) by GPU name fragment and dtype.
-_GPU_PEAKS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
-}
+log = logging.getLogger(__name__)
+
+# Dense peak TFLOP/s (no sparsity) by GPU name fragment and dtype, most
+# specific fragment first: torch names the SXM H100 "NVIDIA H100 80GB HBM3",
+# the others "NVIDIA H100 PCIe" / "NVIDIA H100 NVL", whose peaks are lower.
+# A part without a dtype's tensor cores (V100: no bf16) has no entry for it.
+# Sources: NVIDIA data sheets (H100, H200, A100, V100).
+_GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
+    ("H200 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    ("H800", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("A800", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+)
 
 
 def flops_per_token(model_cfg, seq_len: int) -> float:
@@ -57,9 +69,32 @@ def _cpuinfo() -> tuple[set[str], str, float]:
     return flags, vendor, mhz
 
 
+def usable_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
+    """Physical cores this process may run on: the CPUs of its affinity mask
+    (taskset, cgroups, Slurm), counting SMT siblings of one core once, since
+    they share its vector units."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topo = f"{sysfs}/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/core_id") as f:
+                core = f.read().strip()
+            with open(f"{topo}/physical_package_id") as f:
+                package = f.read().strip()
+        except OSError:
+            return len(cpus)  # no topology exposed: count logical CPUs
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
 @cache
 def cpu_peak_flops() -> float:
-    """Theoretical fp32 FLOP/s of this host: cores x clock x FLOPs per cycle.
+    """Theoretical fp32 FLOP/s of the cores this process may use: physical
+    cores x clock x FLOPs per cycle.
 
     FLOPs per cycle from the vector ISA: two 512-bit FMA pipes on Intel
     AVX-512 parts (64), two 256-bit FMA pipes on AVX2+FMA parts and on AMD
@@ -71,22 +106,44 @@ def cpu_peak_flops() -> float:
         per_cycle = 32
     else:
         per_cycle = 16
-    return (os.cpu_count() or 1) * (mhz or 2000.0) * 1e6 * per_cycle
+    return usable_cores() * (mhz or 2000.0) * 1e6 * per_cycle
+
+
+def gpu_peak_tflops(name: str, precision: str) -> float | None:
+    """Dense peak TFLOP/s of the GPU called ``name`` in ``precision``; None
+    when the part is not on record or lacks that precision's tensor cores."""
+    for fragment, peaks in _GPU_PEAKS:
+        if fragment in name:
+            return peaks.get(precision)
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
-    """Peak FLOP/s of one device, for MFU. ``GIANTMODEL_PEAK_TFLOPS`` overrides.
+    """Peak FLOP/s of one device, for MFU; 0.0 (MFU not reported, with one
+    warning) for a GPU not on record. ``GIANTMODEL_PEAK_TFLOPS`` overrides.
 
-    On CPUs the host's theoretical fp32 peak (:func:`cpu_peak_flops`) is split
-    evenly among the ranks on the host."""
+    On CPUs the theoretical fp32 peak of the cores this process may use
+    (:func:`cpu_peak_flops`) is split evenly among the ranks on the host."""
     override = os.environ.get("GIANTMODEL_PEAK_TFLOPS")
     if override:
         return float(override) * 1e12
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, peaks in _GPU_PEAKS.items():
-            if key in name:
-                return peaks[precision] * 1e12
-        return 0.0
+        peak = gpu_peak_tflops(name, precision)
+        if peak is None:
+            _warn_once(f"{name}/{precision}",
+                       f"no {precision} peak FLOP/s on record for GPU {name!r}: MFU is reported "
+                       "as 0; set GIANTMODEL_PEAK_TFLOPS to its dense peak to report it")
+            return 0.0
+        return peak * 1e12
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return cpu_peak_flops() / max(1, local_ranks)

@@ -352,24 +352,27 @@ def native_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 # --------------------------------------------------------------------------- load
 
-def _targets(parts: Iterable[nn.Module]) -> dict[str, list[torch.Tensor]]:
+def _targets(parts: Iterable[nn.Module], keep=None) -> dict[str, list[torch.Tensor]]:
     """Canonical parameter name -> the parameters (over all parts) it names."""
     out: dict[str, list[torch.Tensor]] = {}
     for part in parts:
         for fqn, p in part.named_parameters(remove_duplicate=False):
-            out.setdefault(canonical_name(fqn), []).append(p)
+            name = canonical_name(fqn)
+            if keep is None or keep(name):
+                out.setdefault(name, []).append(p)
     return out
 
 
 def load_hf_into(parts: list[nn.Module], path: str | os.PathLike,
-                 cfg: ModelConfig | None = None) -> None:
+                 cfg: ModelConfig | None = None, keep=None) -> None:
     """Copy a HF checkpoint's weights into ``parts``, which may be plain,
     pipeline stages (each holding some layers) or DTensor-sharded: each
     parameter takes its own shard of the full tensor. Every parameter of
-    ``parts`` must be covered by the checkpoint."""
+    ``parts`` (that ``keep``, name -> bool, selects) must be covered by the
+    checkpoint."""
 
     cfg = cfg or hf_config_to_model_config(read_hf_config(path))
-    targets = _targets(parts)
+    targets = _targets(parts, keep)
     filled: set[int] = set()
     for hf_name, tensor in iter_hf_tensors(path):
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
@@ -421,7 +424,7 @@ def from_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 # --------------------------------------------------------------------------- save
 
-def _plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -477,4 +480,4 @@ def to_hf(model: nn.Module, model_cfg: ModelConfig, out_dir: str | os.PathLike,
           dtype: torch.dtype | None = None) -> list[Path]:
     """Export a whole (unsplit) giantmodel model as a HF directory that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
-    return save_hf(_plain_state(model), model_cfg, out_dir, max_shard_bytes, dtype)
+    return save_hf(plain_state(model), model_cfg, out_dir, max_shard_bytes, dtype)

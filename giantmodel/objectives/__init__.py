@@ -19,10 +19,12 @@ from giantmodel.config.errors import ConfigError
 from giantmodel.config.schema import JobConfig
 from giantmodel.objectives.diffusion import Diffusion
 from giantmodel.objectives.lm import LanguageModel
+from giantmodel.objectives.lora import LoRA
 from giantmodel.parallel.objective import BaseObjective
 
 OBJECTIVES: dict[str, Callable[..., BaseObjective]] = {
     "lm": LanguageModel.from_config,
+    "lora": LoRA.from_config,
     "diffusion": Diffusion.from_config,
 }
 
@@ -37,4 +39,4 @@ def build_objective(cfg: JobConfig) -> BaseObjective:
     return factory(cfg)
 
 
-__all__ = ["OBJECTIVES", "Diffusion", "LanguageModel", "build_objective"]
+__all__ = ["OBJECTIVES", "Diffusion", "LanguageModel", "LoRA", "build_objective"]

@@ -1,7 +1,11 @@
 """The language-model objective: next-token prediction for LLaMA and GPT.
 
 Pretraining and supervised fine-tuning both train this objective; they differ
-only in their data (which tokens carry a label). The model is a plain
+only in their data (which tokens carry a label). Fine-tuning batches
+(``data.source: sft``) may be packed: several examples share a row, and the
+batch carries ``document_ids`` and ``position_ids``, which go to the model so
+attention stays within each example and positions restart at each one, on
+every layout (pipeline stages get them as keyword inputs). The model is a plain
 decoder (:mod:`giantmodel.models`); this class adds what the engine needs:
 Megatron-style tensor parallelism with a vocabulary-parallel head and loss,
 causal context parallelism over sequence shards, pipeline stages with the
@@ -25,6 +29,8 @@ from giantmodel.config.schema import JobConfig
 from giantmodel.config.train import TrainConfig
 from giantmodel.core.loss import IGNORE_INDEX
 from giantmodel.data import build_loaders, build_tokenizer, vocab_size_of
+from giantmodel.data.chat import chat_reply
+from giantmodel.data.sft import prepare_sft, sft_template
 from giantmodel.metrics.flops import flops_per_token
 from giantmodel.models import build_model, init_weights
 from giantmodel.models.generate import generate_text
@@ -54,6 +60,14 @@ class LanguageModel(BaseObjective):
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> LanguageModel:
+        """Checks that need the data (before any process group). Fine-tuning
+        settings are made concrete in ``cfg`` first: ``checkpoint.init_from:
+        builtin:tiny-chat`` becomes the built model's directory and an unset
+        ``data.tokenizer`` the one beside the initial weights."""
+        prepare_sft(cfg)
+        if cfg.data.source == "sft" and cfg.data.pack and cfg.parallel.cp > 1:
+            raise ConfigError("packed examples need whole sequences on each rank; set "
+                              "data.pack=false or parallel.cp=1", "data.pack")
         vocab = vocab_size_of(cfg.data)
         if vocab is not None and vocab > cfg.model.vocab_size:
             raise ConfigError(
@@ -102,30 +116,35 @@ class LanguageModel(BaseObjective):
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def _local_inputs(self, batch: dict, device: torch.device):
-        """(ids, labels, positions) for this rank: its two load-balanced
-        sequence chunks under context parallelism."""
+        """(ids, labels, model keyword inputs) for this rank: its two
+        load-balanced sequence chunks and their positions under context
+        parallelism; a packed batch's positions and document ids ([B, T])."""
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        if "document_ids" in batch:
+            return ids, labels, {"positions": batch["position_ids"].to(device),
+                                 "document_ids": batch["document_ids"].to(device)}
         if self._cp_mesh is None:
-            return ids, labels, None
+            return ids, labels, {}
         cp, rank = self._cp_mesh.size(), self._cp_mesh.get_local_rank()
         positions = balanced_positions(ids.shape[1], cp, rank, device)
-        return shard_sequence(ids, cp, rank), shard_sequence(labels, cp, rank), positions
+        return (shard_sequence(ids, cp, rank), shard_sequence(labels, cp, rank),
+                {"positions": positions})
 
     def loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, labels, positions = self._local_inputs(batch, _device_of(module))
-        return vocab_parallel_cross_entropy(module(ids, positions), labels)
+        ids, labels, kwargs = self._local_inputs(batch, _device_of(module))
+        return vocab_parallel_cross_entropy(module(ids, **kwargs), labels)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel_context(self._vocab_parallel)
 
     def stage_inputs(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
         device = batch["input_ids"].device
-        ids, labels, positions = self._local_inputs(batch, device)
-        kwargs = {}
-        if positions is not None:
-            # Every stage needs the absolute positions of its sequence chunks
-            # (RoPE / learned positions); [B, t] so they split with the batch.
-            kwargs["positions"] = positions.expand(ids.shape[0], -1)
+        ids, labels, kwargs = self._local_inputs(batch, device)
+        if kwargs.get("positions") is not None:
+            # Every stage needs the absolute positions of its tokens (RoPE /
+            # learned positions) and packed rows their document ids; [B, t]
+            # so they split with the batch into pipeline micro-batches.
+            kwargs["positions"] = kwargs["positions"].expand(ids.shape[0], -1)
         return (ids,), kwargs, labels
 
     def stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -154,10 +173,19 @@ class LanguageModel(BaseObjective):
         return flops_per_token(self.model_cfg, self.train_cfg.seq_len)
 
     def sample(self, model: nn.Module) -> str | None:
-        t = self.train_cfg
+        """A continuation of ``train.sample_prompt``; after fine-tuning on
+        conversations, the assistant's reply to it as a user turn, rendered
+        with the run's chat template."""
+        t, d = self.train_cfg, self.data_cfg
         if not t.sample_tokens:
             return None
-        return generate_text(model, build_tokenizer(self.data_cfg), t.sample_prompt,
+        tokenizer = build_tokenizer(d)
+        if d.source == "sft":
+            template = sft_template(d, tokenizer, d.tokenizer)
+            return chat_reply(model, tokenizer, template,
+                              [{"role": "user", "content": t.sample_prompt}],
+                              max_new_tokens=t.sample_tokens, seed=t.seed)
+        return generate_text(model, tokenizer, t.sample_prompt,
                              max_new_tokens=t.sample_tokens, seed=t.seed)
 
 

@@ -38,11 +38,16 @@ def global_grad_norm(terms: list[tuple[torch.Tensor, int]], world_size: int,
     """L2 norm over all ranks of the gradients in ``terms`` (local storage,
     copies), as a float64 scalar."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    by_copies: dict[int, list[torch.Tensor]] = {}
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for t, copies in terms:
-        by_copies.setdefault(copies, []).append(t)
-    for copies, tensors in by_copies.items():
-        total = total + sum(t.detach().double().pow(2).sum() for t in tensors) / copies
+        groups.setdefault((copies, t.device, t.dtype), []).append(t.detach())
+    for (copies, _, _), tensors in groups.items():
+        # One fused kernel per group (as torch's clip_grad_norm_ does), each
+        # tensor's norm in fp32 at least; the squares summed in fp64 so that
+        # many tensors lose no precision.
+        dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+        norms = torch._foreach_norm(tensors, 2.0, dtype=dtype)
+        total = total + torch.stack(norms).double().square().sum().to(total.device) / copies
     if world_size > 1 and dist.is_initialized():
         total = all_reduce_sum_(total.reshape(1), dist.group.WORLD).reshape(())
     return total.sqrt()

@@ -37,9 +37,12 @@ first and the last stage, ``tied_parameters``.
 
 Outside the engine, the trainer asks the objective for its data loaders
 (``build_loaders``), for initial weights from a pretrained directory
-(``load_pretrained``) and, after training, for a sample (``sample``). It
-calls ``after_step()`` after every applied optimizer step and checkpoints
-the objects ``state()`` returns with the rest of the run (an objective that
+(``load_pretrained``), for which weights its checkpoints hold
+(``checkpoint_filter``: all of them by default; a LoRA fine-tune saves only
+its adapters, since the frozen base is ``checkpoint.init_from`` and never
+changes) and, after training, for a sample (``sample``). It calls
+``after_step()`` after every applied optimizer step and checkpoints the
+objects ``state()`` returns with the rest of the run (an objective that
 keeps an EMA of its weights needs both).
 Conversion to and from Hugging Face / diffusers formats lives beside each
 model and is reached through the objective (``export``).
@@ -48,6 +51,7 @@ model and is reached through the objective (``export``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -158,6 +162,13 @@ class BaseObjective:
     def flops_per_unit(self) -> float:
         """Model FLOPs (forward + backward) per throughput unit, for MFU; 0 when unknown."""
         return 0.0
+
+    def checkpoint_filter(self) -> Callable[[str], bool] | None:
+        """Which model parameters checkpoints hold, by canonical name; None
+        for all. A checkpoint that holds only some (LoRA's adapters) is
+        completed from ``checkpoint.init_from`` when training resumes, and
+        by ``giantmodel convert`` when it is exported."""
+        return None
 
     def model_name(self) -> str:
         """The model's name, for logs and the comm tuner's cache key."""

@@ -8,9 +8,22 @@ in reverse; the first time it needs a tensor of block ``i`` it starts the
 host-to-device copies of blocks ``i .. i-prefetch_layers`` on the side stream,
 so the next blocks' activations arrive while block ``i`` computes.
 
+Residency guarantee (what the planner models). In backward, the offloaded
+activations on the device are those of the block whose backward is running
+plus the ``prefetch_layers`` blocks fetched ahead of it: at most
+``prefetch_layers + 1`` blocks' worth at any moment. A device copy is handed
+to autograd when its backward node first needs it and is not kept here, so
+it is freed as soon as that node has run; nothing offloaded survives the
+backward pass on the device. In forward, a block's activations are on the
+device only while that block runs (the copy to host holds the device memory
+until the side stream has read it). Host copies live until the next forward.
+A second backward through the same graph (``retain_graph``) copies a tensor
+again from its host copy.
+
 Tensors already in host memory (a CPU run) are kept as they are: there is
 nothing to offload to. ``force`` copies them anyway, which tests use to check
-the bookkeeping on a CPU-only machine.
+the bookkeeping on a CPU-only machine; there the "device copy" is a fresh
+copy of the host buffer, so its lifetime can be observed like a GPU one.
 """
 
 from __future__ import annotations
@@ -108,9 +121,17 @@ class ActivationOffload:
             self._fetch(gen, j)
         gen.in_flight_at_use.setdefault(block, set(gen.fetched))
         slot = gen.slots[block][index]
+        if slot.device_copy is None:  # handed out already: a retain_graph re-run
+            self._copy_in(slot)
+        out, slot.device_copy = slot.device_copy, None
         if slot.ready is not None:
             torch.cuda.current_stream().wait_event(slot.ready)
-        return slot.device_copy
+            # allocated on the side stream, used and freed on this one: keep
+            # the allocator from reusing it before this stream is done with it
+            out.record_stream(torch.cuda.current_stream())
+        # Autograd holds the only reference from here, so the device copy is
+        # freed once this node's backward has run (the residency guarantee).
+        return out
 
     def _fetch(self, gen: _Generation, block: int) -> None:
         if block in gen.fetched:
@@ -118,16 +139,19 @@ class ActivationOffload:
         gen.fetched.add(block)
         gen.fetch_order.append(block)
         for slot in gen.slots[block]:
-            if slot.device.type == "cuda":
-                stream = self._side_stream()
-                with torch.cuda.stream(stream):
-                    if slot.ready is not None:
-                        stream.wait_event(slot.ready)
-                    slot.device_copy = slot.host.to(slot.device, non_blocking=True)
-                    slot.ready = torch.cuda.Event()
-                    slot.ready.record(stream)
-            else:
-                slot.device_copy = slot.host
+            self._copy_in(slot)
+
+    def _copy_in(self, slot: _Slot) -> None:
+        if slot.device.type == "cuda":
+            stream = self._side_stream()
+            with torch.cuda.stream(stream):
+                if slot.ready is not None:
+                    stream.wait_event(slot.ready)
+                slot.device_copy = slot.host.to(slot.device, non_blocking=True)
+                slot.ready = torch.cuda.Event()
+                slot.ready.record(stream)
+        else:
+            slot.device_copy = slot.host.clone()  # forced on the CPU: stands in for a transfer
 
     def _side_stream(self):
         if self._stream is None:

@@ -17,6 +17,7 @@ reduce-scatter instead of all-reduce, and each block all-gathers its input.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -64,8 +66,16 @@ def _block_plan(sp: bool, rope: bool) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
-    """Shard ``model`` (a whole model or a pipeline stage) in place over ``tp_mesh``."""
+StyleFor = Callable[[nn.Module, ParallelStyle], ParallelStyle]
+"""``style_for(module, style)``: the style to apply to a block's ``module``
+where the plan says ``style`` (a model that swapped a linear for another
+module, such as a LoRA linear, gives that module its own style)."""
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
+                          style_for: StyleFor | None = None) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage) in place over
+    ``tp_mesh``; ``style_for`` may replace the style of any block module."""
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -87,6 +97,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
         plan = _block_plan(sp, rope=getattr(model, "uses_rope", True))
         if hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
+        if style_for is not None:
+            plan = {path: style_for(block.get_submodule(path), style)
+                    for path, style in plan.items()}
         parallelize_module(block, tp_mesh, plan)
     if hasattr(model, "tie_weights"):
         # parallelize_module swapped the embedding Parameter for a DTensor; the

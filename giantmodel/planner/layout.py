@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from giantmodel.config.errors import ConfigError
 from giantmodel.core.pipeline_split import stage_ids_for_rank
 from giantmodel.distributed.parallel_dims import ParallelDims
+from giantmodel.models.lora import block_targets
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class Layout:
     offload_activations: bool
     stage_layers: tuple[int, ...]
     bucket_mb: float = 25.0
+    lora_rank: int = 0
+    """LoRA adapter rank (0: every parameter trains)."""
+    lora_paths: tuple[str, ...] = ()
+    """Block linears carrying adapters (e.g. ``attention.wq``); the rest is frozen."""
+    lora_nf4: bool = False
+    """QLoRA: adapted base weights stored as 4-bit NF4."""
     recompute_layers: tuple[str, ...] | None = None
     """Per-block recompute modes (one per model layer); None: ``recompute`` everywhere."""
 
@@ -102,6 +109,8 @@ class Layout:
         else:
             counts = {m: self.recompute_layers.count(m) for m in ("none", "selective", "full")}
             parts.append("rc:" + "/".join(f"{counts[m]}{m[0]}" for m in counts if counts[m]))
+        if self.lora_rank:
+            parts.append(f"lora{self.lora_rank}" + ("-nf4" if self.lora_nf4 else ""))
         if self.offload_activations:
             parts.append("act-offload")
         return " ".join(parts)
@@ -123,6 +132,10 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         n_micro = dims.pipeline.n_micro
         micro_batch = cfg.train.global_batch_size // dims.dp // n_micro
         split = list(dims.pipeline.layer_counts)
+    lora = {}
+    if cfg.objective == "lora":
+        lora = {"lora_rank": cfg.lora.rank, "lora_nf4": cfg.lora.quantize_base == "nf4",
+                "lora_paths": tuple(block_targets(cfg.lora.targets, cfg.model.arch))}
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
         zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
@@ -130,4 +143,4 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         precision=cfg.precision, recompute=cfg.recompute,
         offload_activations=cfg.offload.activations, stage_layers=tuple(split),
         bucket_mb=p.bucket_mb,
-        recompute_layers=tuple(cfg.recompute_layers) if cfg.recompute_layers else None)
+        recompute_layers=tuple(cfg.recompute_layers) if cfg.recompute_layers else None, **lora)

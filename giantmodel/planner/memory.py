@@ -475,6 +475,45 @@ class MemoryReport:
 
 _STATES: dict[tuple, tuple[dict[str, int], int]] = {}
 
+# NF4 (torchao): 4 bits a value, an int8 scale per 64 values, an fp32 scale
+# per 256 of those.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def lora_layer_shapes(table: ParamTable, layout: Layout) -> list[tuple[int, ...]]:
+    """Local shapes of one block's adapters: A [r, in], B [out, r]; tensor
+    parallelism splits B with a column-parallel base and A with a row-parallel one."""
+    r, tp = layout.lora_rank, layout.tp
+    shapes = []
+    for path in layout.lora_paths:
+        out, inp = next(p.shape for p in table.layer if p.name == f"{path}.weight")
+        if _tp_dim(f"{path}.weight") == 0:
+            shapes += [(r, inp), (out // tp, r)]
+        else:
+            shapes += [(r, inp // tp), (out, r)]
+    return shapes
+
+
+def _lora_states(table: ParamTable, layout: Layout, base: list[tuple[int, ...]],
+                 n_layers: int, shard_degree: int, style: str, strategy: str) -> dict[str, float]:
+    """LoRA: the frozen base holds parameters only -- own ZeRO leaves it out
+    of its flat buffers, FSDP2 shards it like any parameter -- in NF4 when
+    quantised; the adapters hold parameters, gradients and optimizer state."""
+    adapters = lora_layer_shapes(table, layout) * n_layers
+    states = model_state_bytes(adapters, layout.zero, shard_degree, style, 0,
+                               strategy=strategy, bucket_mb=layout.bucket_mb)
+    b = StateBytes.for_style(style)
+    sharded = shard_degree > 1 and (layout.zero >= 3 if style == "mixed" else strategy == "fsdp")
+    numel = sum(shard_numel(s, shard_degree) if sharded else math.prod(s) for s in base)
+    base_bytes = float(b.param * numel)
+    if layout.lora_nf4:
+        adapted = n_layers * sum(math.prod(p.local_shape(layout.tp)) for p in table.layer
+                                 if p.name.rsplit(".", 1)[0] in layout.lora_paths)
+        adapted = adapted // shard_degree if sharded else adapted
+        base_bytes -= adapted * (b.param - NF4_BYTES)
+    states["params"] = states["params"] + base_bytes
+    return states
+
 
 def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
                  style: str) -> tuple[dict[str, int], int]:
@@ -483,15 +522,20 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     ns = layout.num_stages
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
-           layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb)
+           layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb,
+           layout.lora_rank, layout.lora_paths, layout.lora_nf4)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
         strategy = strategy_name(zero=layout.zero, dp_cp=layout.dp * layout.cp,
                                  hybrid=layout.dp_replicate > 1, pp=layout.pp)
-        states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
-                                   strategy=strategy, bucket_mb=layout.bucket_mb)
+        if layout.lora_rank:
+            n_layers = sum(layout.stage_layers[s] for s in stages)
+            states = _lora_states(table, layout, shapes, n_layers, shard_degree, style, strategy)
+        else:
+            states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
+                                       strategy=strategy, bucket_mb=layout.bucket_mb)
         _STATES[key] = (states, sum(math.prod(s) for s in shapes))
     states, full = _STATES[key]
     return dict(states), full
@@ -523,7 +567,10 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     else:
         comp["working_weights"] = 0
     if layout.zero >= 2:
-        comp["comm_buffers"] = 2 * layer_local * 4   # unsharded grads before reduce-scatter
+        # unsharded grads before reduce-scatter (only the adapters' under LoRA)
+        trained = (sum(math.prod(s) for s in lora_layer_shapes(table, layout))
+                   if layout.lora_rank else layer_local)
+        comp["comm_buffers"] = 2 * trained * 4
     else:
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len

@@ -53,6 +53,13 @@ API (stable since tag ``cluster-v1``)::
 - Namespaces and links are named ``gm<id>...`` with a per-cluster id, so
   several clusters (several test sessions) can live side by side; leftovers
   of a cluster whose owning process died are removed by the next start.
+- ``host_command(cluster.state_dir, "host1", argv)`` wraps a command for a
+  host from any process (``state_dir/cluster.json`` describes the hosts);
+  the srun shim (:mod:`giantmodel.testing.slurm_shim`) uses it.
+
+Tags: ``cluster-v1`` first API; ``cluster-v2`` adds ``popen_ranks``;
+``cluster-v3``: ``kill_host`` kills the whole namespace, ``run`` passes Popen
+keyword arguments, ``host_command``.
 """
 
 from __future__ import annotations

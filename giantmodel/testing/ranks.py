@@ -15,7 +15,6 @@ import socket
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -69,31 +68,17 @@ class RankFailure(RuntimeError):
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
               backend: str | None = "gloo", env: dict | None = None,
-              pg_timeout: float = 60, retry_native_crash: bool = False) -> list[Any]:
+              pg_timeout: float = 60) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (a module-level function). With ``backend`` set,
     the default process group is initialised first. Returns the per-rank
     results in rank order. Raises :class:`RankFailure` with the failing rank's
     traceback and its peers' exit codes, or ``TimeoutError`` after ``timeout``
-    seconds; either way every rank is killed before returning.
-
-    ``retry_native_crash`` reruns the whole group once, with a warning, when
-    a rank failed because a peer was killed by a signal (a native crash in
-    the transport, not a Python error). A peer that exited normally, or a
-    Python exception, is never retried, so a rank that skipped or reordered
-    a collective still fails the test.
+    seconds; either way every rank is killed before returning. Nothing is
+    retried: a rank that crashes fails the test, as it would fail training.
     """
-    try:
-        return _run_once(fn, world_size, args, timeout, backend, env, pg_timeout)
-    except RankFailure as e:
-        crashed = {r: c for r, c in e.peer_exit_codes.items() if c is not None and c < 0}
-        if not (retry_native_crash and crashed):
-            raise
-        warnings.warn(f"run_ranks: ranks {sorted(crashed)} were killed by signals "
-                      f"{sorted(set(crashed.values()))}; rerunning once. First failure:\n{e}",
-                      RuntimeWarning, stacklevel=2)
-        return _run_once(fn, world_size, args, timeout, backend, env, pg_timeout)
+    return _run_once(fn, world_size, args, timeout, backend, env, pg_timeout)
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float,

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from giantmodel.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState
+from giantmodel.checkpoint.run_dir import RunLock, check_run_paths
 from giantmodel.comm import backend_for
 from giantmodel.comm.autotune import tune
-from giantmodel.config import JobConfig, dump_config
+from giantmodel.config import ConfigError, JobConfig, dump_config
 from giantmodel.core.optim import SchedulerState, build_scheduler
 from giantmodel.core.precision import Precision
 from giantmodel.data.checks import check_data
@@ -66,6 +67,7 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, BaseObject
     (pipeline included), and what the objective's model supports."""
     cfg.validate()
     check_data(cfg.data)
+    check_run_paths(cfg)
     dims = ParallelDims.from_config(cfg, world_size)
     objective = build_objective(cfg)
     check_supported(objective, tp=dims.tp, cp=dims.cp, pp=dims.pp)
@@ -96,6 +98,8 @@ class Trainer:
         self.device = pick_device(cfg.train.device, self.info)
         backend, pg_options = backend_for(cfg.comm, self.device.type)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
+        self.run_lock = RunLock(self.run_dir)
+        self._take_run_lock()
         if self.info.world_size > 1:
             self.peers = gather_peer_hosts()
             self.placement = resolve_placement(cfg, self.dims, backend, log=self._print)
@@ -114,6 +118,23 @@ class Trainer:
                                      cfg.run.progress, cfg.train.steps)
         self._stop_requested = False
         self._setup_checkpointing()
+
+    def _take_run_lock(self) -> None:
+        """Rank 0 owns run.dir for the whole run; every rank fails with its
+        error when another run holds it (before anything is written)."""
+        err = ""
+        if self.info.is_rank0:
+            try:
+                self.run_lock.acquire()
+            except ConfigError as e:
+                err = str(e)
+        if self.info.world_size > 1:
+            box = [err]
+            torch.distributed.broadcast_object_list(box, src=0)
+            err = box[0]
+        if err:
+            shutdown_distributed()
+            raise ConfigError(err)
 
     def _bucket_mb(self) -> float:
         """The gradient bucket size for this run: on the giant backend,
@@ -136,8 +157,11 @@ class Trainer:
             dump_config(cfg, self.run_dir / "config.yaml")
         self.ckpt = CheckpointManager(cfg.checkpoint, str(self.run_dir),
                                       is_rank0=self.info.is_rank0)
+        # An objective may checkpoint only part of the model (LoRA: its
+        # adapters); the rest is completed from checkpoint.init_from below.
+        keep = self.objective.checkpoint_filter()
         self.ckpt_state = {
-            "model": ModelState(self.engine.parts),
+            "model": ModelState(self.engine.parts, keep),
             "optim": OptimizerState(self.engine.parts, self.optimizer),
             "lr": SchedulerState(self.scheduler),
             "data": self.train_loader,
@@ -146,12 +170,12 @@ class Trainer:
             **self.objective.state(),
         }
         latest = self.ckpt.latest_step() if cfg.checkpoint.resume else None
+        if cfg.checkpoint.init_from and (latest is None or keep is not None):
+            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
+            self._print(f"initialised weights from {cfg.checkpoint.init_from}")
         if latest is not None:
             self.ckpt.load(self.ckpt_state, latest)
             self._print(f"resumed from {self.run_dir / 'checkpoints'} at step {self.state.step}")
-        elif cfg.checkpoint.init_from:
-            self.objective.load_pretrained(self.engine.parts, cfg.checkpoint.init_from)
-            self._print(f"initialised weights from {cfg.checkpoint.init_from}")
 
     def _save(self) -> None:
         self.ckpt.save(self.state.step, self.ckpt_state)
@@ -254,6 +278,7 @@ class Trainer:
         self.ckpt.close()
         self.metrics.close()
         shutdown_distributed()
+        self.run_lock.release()
 
 
 def run_training(cfg: JobConfig) -> dict:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from giantmodel.config.model import RopeScaling
+from giantmodel.models.common.masks import masked_attention
 
 
 class RMSNorm(nn.Module):
@@ -91,11 +92,16 @@ class CausalSDPA(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask=None) -> torch.Tensor:
+        """``mask``: None for plain causal attention, else a packed-sequence
+        mask from :func:`giantmodel.models.common.masks.document_mask`."""
+        dropout = self.dropout if self.training else 0.0
+        if mask is not None:
+            return masked_attention(q, k, v, mask, dropout)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=gqa,
-            dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, is_causal=True, enable_gqa=gqa, dropout_p=dropout)
 
 
 class Attention(nn.Module):
@@ -109,7 +115,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, hidden, bias=bias)
         self.core = CausalSDPA(dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
+                mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism the projections are column shards.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -117,7 +124,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # The mask goes only where there is one, so a replaced core (context
+        # parallelism) keeps its three-argument signature.
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -14,6 +14,14 @@ from torch import nn
 
 from giantmodel.config.model import ModelConfig
 from giantmodel.models.common.layers import rope_table
+from giantmodel.models.common.masks import document_mask
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype attention will run in: autocast's when it is on."""
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return h.dtype
 
 
 class Transformer(nn.Module):
@@ -65,12 +73,15 @@ class Transformer(nn.Module):
             self.rope = rope_table(c.dim_per_head, c.max_seq_len, c.rope_theta,
                                    c.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [B, T] ids (or [B, T, H] hidden states on a later
         pipeline stage) -> logits [B, T, V] (or hidden states).
 
         ``positions`` [T] or [B, T] gives each token's absolute position when
-        the sequence is not 0..T-1 (context-parallel shards)."""
+        the sequence is not 0..T-1 (context-parallel shards, packed examples).
+        ``document_ids`` [B, T] marks packed examples: attention then stays
+        within each example (block-diagonal causal); None is plain causal."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         T = h.shape[1]
         if positions is None:
@@ -79,8 +90,11 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions)
         h = self.embed_dropout(h)
         rope = self.rope[positions] if self.uses_rope else None
+        mask = None
+        if document_ids is not None:
+            mask = document_mask(document_ids, _compute_dtype(h))
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

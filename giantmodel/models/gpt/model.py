@@ -21,8 +21,9 @@ class GPTBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
         self.feed_forward = GeluMLP(h, cfg.ffn_hidden_size, cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
+                mask=None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), mask=mask))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
