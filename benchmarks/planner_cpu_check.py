@@ -7,7 +7,7 @@ all-reduce bandwidth), then train the same small LLaMA under eight layouts
 RSS. The planner then predicts each step time and peak RSS from the measured
 profile. Run it on a quiet host:
 
-    /work/tools/gmlock quiet env PYTHONPATH=. python benchmarks/planner_cpu_check.py [--json F]
+    PYTHONPATH=. python benchmarks/planner_cpu_check.py [--json F]
 """
 
 from __future__ import annotations

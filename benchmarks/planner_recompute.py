@@ -7,7 +7,7 @@ logits included) and the forward + backward time (median of N), with the
 planner's prediction of the bytes next to them. Modes are interleaved round
 by round so host noise hits them alike.
 
-    /work/tools/gmlock quiet env PYTHONPATH=. python benchmarks/planner_recompute.py [--json F]
+    PYTHONPATH=. python benchmarks/planner_recompute.py [--json F]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The SD layout matrix: tiny Stable Diffusion (UNet + trained text encoder,
-caption dropout, EMA) trains 3 steps under each data-parallel layout exactly
+"""The SD layout matrix: tiny Stable Diffusion (UNet, with and without the
+text encoder trained; caption dropout, EMA) trains 3 steps under each data-parallel layout exactly
 like one process: losses and global grad norms within 1e-5 relative per step,
 parameters and the EMA within 1e-5 after the last step (fp32, gloo).
 
@@ -21,6 +21,8 @@ TWO_RANKS = [
     ["parallel.dp=2", "parallel.zero=3"],
     ["parallel.dp=2", "parallel.zero=3", "recompute=full"],
     ["parallel.dp=2", "parallel.zero=1", "recompute=full"],
+    ["parallel.dp=2", "parallel.zero=3", "sd.train_text_encoder=true"],
+    ["parallel.dp=2", "parallel.zero=2", "sd.train_text_encoder=true"],
 ]
 
 # Mixed precision: compared with one process in the same precision, which
@@ -55,3 +57,18 @@ def test_sd_two_rank_layouts_match_single_process(tmp_path):
     # rounding that flips a tiny gradient's sign moves it by up to 2 lr a step:
     # 3 steps x 2 x 0.002 = 1.2e-2 bounds the parameter difference
     _check(MIXED, results[len(TWO_RANKS):], cache, rtol=2e-2, param_tol=1.5e-2)
+
+
+# HSDP: 2 replicas x 2 shards; and ZeRO-2 sharded over groups of 2 of the 4 ranks
+FOUR_RANKS = [
+    ["parallel.dp=4", "parallel.zero=3", "parallel.shard_group_size=2"],
+    ["parallel.dp=4", "parallel.zero=2", "parallel.shard_group_size=2"],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sd_four_rank_hsdp_matches_single_process(tmp_path):
+    cache = str(tmp_path)
+    results = run_ranks(H.run_cases, 4, FOUR_RANKS, cache, timeout=500)[0]
+    _check(FOUR_RANKS, results, cache)

@@ -2,7 +2,7 @@
 emulated hosts (2 ranks each, 200 Mbit/s and 1 ms between hosts, shared
 memory inside a host), 1 MB to 256 MB: busbw and the ratio, in one run.
 
-    PYTHONPATH=. /work/tools/gmlock quiet python benchmarks/cluster/hierarchical.py \\
+    PYTHONPATH=. python benchmarks/cluster/hierarchical.py \\
         --json benchmarks/results/cluster_hierarchical.json
 
 The giant group learns its nodes from the hosts' names (each emulated host

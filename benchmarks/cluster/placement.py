@@ -1,8 +1,8 @@
 """Bandwidth-aware placement on emulated clusters, against every other order.
 
-    PYTHONPATH=. /work/tools/gmlock quiet python benchmarks/cluster/placement.py \\
+    PYTHONPATH=. python benchmarks/cluster/placement.py \\
         --layout tp2dp2 --rounds 6 --json benchmarks/results/cluster_placement_tp2dp2.json
-    PYTHONPATH=. /work/tools/gmlock quiet python benchmarks/cluster/placement.py \\
+    PYTHONPATH=. python benchmarks/cluster/placement.py \\
         --layout pp2dp2 --rounds 6 --json benchmarks/results/cluster_placement_pp2dp2.json
 
 Two emulated hosts x 2 ranks, 200 Mbit/s and 1 ms between the hosts, shared
