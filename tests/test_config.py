@@ -131,3 +131,12 @@ def test_dump_round_trips(tmp_path):
     dump_config(cfg, path)
     assert yaml.safe_load(path.read_text())["train"]["steps"] == 11
     assert load_config(path, validate=False) == cfg
+
+
+def test_a_constant_schedule_takes_any_small_lr():
+    # min_lr is read only by decaying schedules; its default must not make a
+    # constant schedule with a smaller lr impossible to configure.
+    cfg = load_config(None, ["optim.schedule=constant", "optim.lr=1e-5"])
+    assert cfg.optim.lr == 1e-5
+    with pytest.raises(ConfigError, match="optim.min_lr"):
+        load_config(None, ["optim.schedule=cosine", "optim.lr=1e-5"])

@@ -91,7 +91,8 @@ class OptimConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"must be positive, got {self.lr}", "optim.lr")
-        if not 0 <= self.min_lr <= self.lr:
+        # A constant schedule never reads min_lr, so its default may exceed a small lr.
+        if self.schedule != "constant" and not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"must be in [0, optim.lr={self.lr}], got {self.min_lr}", "optim.min_lr")
         if self.warmup_steps < 0:
             raise ConfigError(f"must be >= 0, got {self.warmup_steps}", "optim.warmup_steps")
