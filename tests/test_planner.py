@@ -252,6 +252,31 @@ def test_selective_keeps_less_than_none():
                 assert b["none"] > b["selective"] > b["full"], (m.arch, prec, tp, sp, cp, b)
 
 
+def test_selective_matmuls_cost_their_forward_once_more():
+    """A selective policy that re-runs named matmuls (torchtitan's op policy) costs
+    exactly their forward GEMMs on top of this engine's selective; other modes and
+    the default options are unchanged."""
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.layout import Layout
+    from giantmodel.planner.perf import PerfOptions, gemm_time, layer_time
+
+    m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192)
+    lay = Layout(tp=2, pp=1, dp=4, dp_shard=4, cp=1, sp=True, zero=3, virtual=1,
+                 schedule="1f1b", micro_batch=1, n_micro=1, seq_len=8192, precision="bf16",
+                 recompute="selective", offload_activations=False, stage_layers=(32,))
+    hw, cluster = get_profile("h100-sxm"), Cluster(1, 8)
+    plain = layer_time(m, lay, hw, cluster, PerfOptions())
+    titan = layer_time(m, lay, hw, cluster, PerfOptions(selective_matmuls=("wk", "wo", "w3")))
+    extra = sum(gemm_time(hw, "bf16", 8192, k, n)
+                for k, n in ((4096, 1024 / 2), (4096 / 2, 4096), (4096, 14336 / 2)))
+    assert titan.recompute == pytest.approx(plain.recompute + extra)
+    assert (titan.fwd, titan.bwd) == (plain.fwd, plain.bwd)
+    for mode in ("none", "full"):
+        assert layer_time(m, lay, hw, cluster, PerfOptions(selective_matmuls=("wk",)), mode) \
+            == layer_time(m, lay, hw, cluster, PerfOptions(), mode)
+
+
 def test_recompute_layers_config_checks():
     from giantmodel.config import load_config
 
