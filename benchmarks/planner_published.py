@@ -53,9 +53,11 @@ class Run:
     seq_len: int
     published_tok_s_gpu: float
     layout: dict | None = None
-    """tp, pp, cp, zero, recompute, precision, micro_batch, schedule as the source
-    states them (micro-batch and schedule searched where it does not); None:
-    the planner's best layout."""
+    """tp, pp, cp, zero, recompute, precision, micro_batch, schedule ("1f1b": the
+    source's pipeline engine has no interleaving) and stage_layers as the source
+    states them (micro-batch, interleaving and an even or cost-balanced split
+    searched where it does not; recompute: the least that fits); None: the
+    planner's best layout."""
     note: str = ""
     opts: PerfOptions | None = None
     """How the source's stack differs from this engine where the planner models it
