@@ -300,3 +300,27 @@ def test_plan_and_estimate_follow_the_lora_keys():
     assert 0.45 * fu["optimizer"] < fu["optimizer_step"] <= 0.5 * fu["optimizer"]
     gpu = memory_report(short.model, layout, get_profile("h100-sxm")).ranks[0].components
     assert gpu["optimizer_step"] == 0
+
+
+def test_throughput_model_knows_the_frozen_base():
+    """A frozen base has no weight gradients; only the adapters are reduced
+    over dp and updated by the optimizer."""
+    from giantmodel.planner.hardware import get_profile
+    from giantmodel.planner.layout import Cluster, resolve_layout
+    from giantmodel.planner.perf import estimate_time
+
+    common = ["model.hidden_size=4096", "model.num_layers=8", "model.num_heads=32",
+              "model.num_kv_heads=32", "model.ffn_hidden_size=11008", "model.vocab_size=32000",
+              "model.max_seq_len=2048", "train.seq_len=2048", "train.micro_batch_size=1",
+              "train.global_batch_size=8", "precision=bf16", "parallel.dp=8"]
+    full = load_config(overrides=common)
+    lora = load_config(overrides=common + ["objective=lora", "lora.targets=[q_proj,v_proj]"])
+    hw, cluster = get_profile("h100-sxm"), Cluster(1, 8)
+    f = estimate_time(full.model, resolve_layout(full, cluster), hw, cluster, 8)
+    lo = estimate_time(lora.model, resolve_layout(lora, cluster), hw, cluster, 8)
+    assert 0.6 < lo.stage_s[0] / f.stage_s[0] < 0.85   # backward: input gradients only
+    assert lo.breakdown["optimizer"] < 0.01 * f.breakdown["optimizer"]
+    assert lo.breakdown["dp_comm_exposed"] < 0.1 * f.breakdown["dp_comm_exposed"]
+    # model FLOPs: 4 per frozen weight and token (forward, input gradient), not 6
+    flops = [r.tflops_per_gpu * r.step_s for r in (lo, f)]
+    assert 0.6 < flops[0] / flops[1] < 0.7
