@@ -78,7 +78,13 @@ class LoRALinear(nn.Module):
             out = F.linear(x, self.weight, self.bias)
         # Scale the rank-r activations, not the output: B (s A x) = s B A x,
         # and the multiply (forward and backward) touches r columns, not out.
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
+        delta = self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
+        if type(out) is torch.Tensor and not self.weight.requires_grad:
+            # Autograd keeps no frozen linear's output, so add in place and
+            # skip a fresh [tokens, out] buffer. Sharded (DTensor) outputs
+            # add out of place: their placements may differ from delta's.
+            return out.add_(delta)
+        return out + delta
 
     def base_weight(self) -> torch.Tensor:
         """The base weight in floating point (dequantised when NF4)."""
