@@ -278,15 +278,22 @@ DISK_FULL_SCRIPT = textwrap.dedent("""
     run = Path(sys.argv[1])
     mgr = manager(run, keep=2)
     mgr.save(1, state_of(tiny_model(1)))
-    filler = run / "filler"
-    with open(filler, "wb", buffering=0) as fh:  # fill the file system ...
-        try:
-            while True:
-                fh.write(b"x" * 4096)
-        except OSError:
-            pass
-    # ... then free less than one more checkpoint needs
-    os.truncate(filler, max(0, filler.stat().st_size - 48 * 1024))
+    if sys.argv[2] == "tmpfs":
+        filler = run / "filler"
+        with open(filler, "wb", buffering=0) as fh:  # fill the file system ...
+            try:
+                while True:
+                    fh.write(b"x" * 4096)
+            except OSError:
+                pass
+        # ... then free less than one more checkpoint needs
+        os.truncate(filler, max(0, filler.stat().st_size - 48 * 1024))
+    else:
+        # No private mount: cap the size of any file this process writes, so
+        # the shard write fails with EFBIG (SIGXFSZ ignored, as a write error).
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
     try:
         mgr.save(2, state_of(tiny_model(2)))
     except Exception as e:
@@ -296,21 +303,38 @@ DISK_FULL_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _disk_full_output(run: Path, how: str, wrap=lambda argv: argv) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    script = DISK_FULL_SCRIPT.format(tests=str(REPO / "tests"))
+    out = subprocess.run(wrap([sys.executable, "-c", script, str(run), how]), check=False,
+                         env=env, capture_output=True, timeout=100, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 @pytest.mark.timeout(120)
 def test_disk_full_during_save_is_a_clear_error(tmp_path):
     """A tmpfs of 3 MiB in a private mount namespace: the second save runs out of space."""
     if not _can_mount_tmpfs(tmp_path):
-        pytest.skip("needs unshare -m and mount (root in a namespace-capable container)")
+        pytest.skip("needs unshare -m and mount; the RLIMIT_FSIZE test below checks the same "
+                    "promise everywhere")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    script = DISK_FULL_SCRIPT.format(tests=str(REPO / "tests"))
-    cmd = (f"mount -t tmpfs -o size=3m none {mnt} && "
-           f"{sys.executable} -c {shlex.quote(script)} {mnt / 'run'}")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], check=False, env=env,
-                         capture_output=True, timeout=100, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    text = out.stdout
+
+    def in_namespace(argv):
+        cmd = f"mount -t tmpfs -o size=3m none {mnt} && {shlex.join(argv)}"
+        return ["unshare", "-m", "sh", "-c", cmd]
+
+    _assert_clean_save_failure(_disk_full_output(mnt / "run", "tmpfs", in_namespace))
+
+
+def test_file_size_limit_during_save_is_a_clear_error(tmp_path):
+    """The same failure through RLIMIT_FSIZE, which needs no privileges, so
+    the promise is checked even where namespaces are not permitted."""
+    _assert_clean_save_failure(_disk_full_output(tmp_path / "run", "rlimit"))
+
+
+def _assert_clean_save_failure(text: str) -> None:
     # torch's zip writer words a full disk obscurely; the error adds the free space
     assert "CheckpointSaveError" in text and " MB free on that file system" in text, text
     assert "step 1 stays the latest" in text, text

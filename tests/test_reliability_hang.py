@@ -3,12 +3,14 @@
 Rank 1 stops in its data loader before step 3's collectives. Rank 0 must
 fail within ``parallel.timeout_s`` (plus the few seconds the report takes)
 with an error naming rank 1, and ``run.dir/hang-<rank>.txt`` must hold each
-rank's Python stack and the last collective phase it entered: rank 1's shows
-it blocked in the loader, after step 2's optimizer step.
+rank's Python stack, the last collective phase it entered and its newest
+collectives from torch's flight recorder: rank 1's shows it blocked in the
+loader, after step 2's optimizer step, one collective behind rank 0.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -86,3 +88,19 @@ def test_hung_rank_is_named_and_every_rank_writes_its_stack(tmp_path):
     # rank 0 wrote its own while reporting, from the training loop
     assert "in __next__" in text1 and "in train_step" in text1, text1
     assert "in report" in text0 and "in train" in text0, text0
+    # the flight recorder shows the collective rank 0 waits in, which rank 1
+    # never entered: the same group, one sequence number further
+    newest = [_newest_collective(t) for t in (text0, text1)]
+    assert newest[0][0] == newest[1][0] == "0 (default_pg, ranks [0, 1])", newest
+    assert newest[0][1] == newest[1][1] + 1, newest
+    assert (f"newest collective entered: rank 0 group 0 (default_pg, ranks [0, 1]) "
+            f"#{newest[0][1]}") in msg, msg
+    assert f"rank 1 group 0 (default_pg, ranks [0, 1]) #{newest[1][1]}" in msg, msg
+
+
+def _newest_collective(text: str) -> tuple[str, int]:
+    """(group, sequence number) of the first line under the flight-recorder heading."""
+    block = text.split("last collectives entered (", 1)[1].splitlines()[1]
+    m = re.match(r"\s+group (.+\]\)) #(\d+) gloo:", block)
+    assert m, block
+    return m.group(1), int(m.group(2))

@@ -6,8 +6,11 @@ transport error that says little. :class:`HangWatch` turns that into:
 
 - ``run.dir/hang-<rank>.txt`` for every rank that can still run Python: its
   host and pid, the last collective phase it entered (``step 3
-  forward_backward``), and the Python stack of each of its threads
-  (faulthandler, so a main thread blocked in C code is shown too);
+  forward_backward``), the last collectives its process groups entered (op,
+  group and its ranks, sizes, and whether each completed: torch's flight
+  recorder, on by default for gloo and NCCL, ``TORCH_FR_BUFFER_SIZE``
+  entries), and the Python stack of each of its threads (faulthandler, so a
+  main thread blocked in C code is shown too);
 - an error naming the rank(s) that did not arrive: those whose count of
   entered phases is behind the others'.
 
@@ -16,31 +19,71 @@ How: each rank records every phase it enters in the process group's store
 store key; a daemon thread on every rank polls for it and writes that rank's
 file, so the stuck rank reports even while its main thread is blocked.
 
-The granularity is the trainer's phases (forward/backward, gradient norm,
-optimizer step, checkpoint save), each of which contains collectives, not
-individual collectives.
+Who did not arrive is decided at the granularity of the trainer's phases
+(forward/backward, gradient norm, optimizer step, checkpoint save): every rank
+runs the same phases, while the collectives inside one differ by layout.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import socket
 import threading
 import time
 from pathlib import Path
 
+import torch._C._distributed_c10d as torch_c10d
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 _KEY = "giantmodel/hang"
 _POLL_S = 0.5
+_SHOW_COLLECTIVES = 12
 
 
 def _default_store():
     # the store torch's default process group rendezvoused on: reachable from
     # every rank on every host while any collective is stuck
     return distributed_c10d._get_default_store()
+
+
+def _group_ranks(name: str) -> str:
+    try:
+        group = distributed_c10d._resolve_process_group(name)
+        return str(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - destroyed or unknown here: the name still says which
+        return "?"
+
+
+def _describe(entry: dict) -> str:
+    name, desc = (entry.get("process_group") or ["?", "?"])[:2]
+    seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+    return (f"group {name} ({desc}, ranks {_group_ranks(name)}) #{seq} "
+            f"{entry.get('profiling_name')}")
+
+
+def last_collectives(limit: int) -> tuple[str, str | None]:
+    """The newest ``limit`` collectives this process entered, from torch's
+    flight recorder, as lines (group name, description and global ranks, the
+    group's sequence number, the op, input sizes and dtypes), and the newest
+    one alone: where a rank that is stuck inside a collective waits. Ranks
+    that disagree on a group's newest sequence number show the collective
+    some did not reach. (Gloo marks a timed-out collective finished, so
+    completion states are not shown.)"""
+    try:
+        trace = json.loads(torch_c10d._dump_fr_trace_json(includeCollectives=True))
+    except Exception as e:  # noqa: BLE001 - an older torch or a backend without a recorder
+        return f"last collectives entered: unknown (flight recorder: {e})\n", None
+    entries = trace.get("entries", [])[-limit:]
+    if not entries:
+        return ("last collectives entered: none recorded (TORCH_FR_BUFFER_SIZE=0, or no "
+                "collective yet)\n", None)
+    lines = [f"last collectives entered ({len(entries)} newest first, torch flight recorder):"]
+    lines += [f"  {_describe(e)} in {e.get('input_sizes')} {e.get('input_dtypes')}"
+              for e in reversed(entries)]
+    return "\n".join(lines) + "\n", _describe(entries[-1])
 
 
 class HangWatch:
@@ -68,12 +111,16 @@ class HangWatch:
     def _write(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / f"hang-{self.rank}.txt"
+        collectives, newest = last_collectives(_SHOW_COLLECTIVES)
         with open(path, "w") as f:
             f.write(f"rank {self.rank} of {self.world}, pid {os.getpid()} on "
                     f"{socket.gethostname()}, at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                    f"last collective phase entered: {self.entered} (phase #{self.count})\n\n")
+                    f"last collective phase entered: {self.entered} (phase #{self.count})\n\n"
+                    f"{collectives}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        if newest is not None and self._store is not None:
+            self._store.set(f"{_KEY}/collective/{self.rank}", newest)
         return path
 
     def _poll(self) -> None:
@@ -98,12 +145,8 @@ class HangWatch:
             self._write()
             while not self._store.check(keys) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            at = {}
-            for r in range(self.world):
-                key = f"{_KEY}/at/{r}"
-                if self._store.check([key]):
-                    count, phase = self._store.get(key).decode().split("|", 1)
-                    at[r] = (int(count), phase)
+            at = {r: (int(c), p) for r, (c, p) in self._read("at").items()}
+            newest = self._read("collective")
         except Exception:  # noqa: BLE001 - the store is gone too: nothing to add
             return None
         ahead = max((c for c, _ in at.values()), default=0)
@@ -112,8 +155,20 @@ class HangWatch:
             return None
         lead = next(p for c, p in at.values() if c == ahead)
         where = "; ".join(f"rank {r} last entered {at.get(r, (0, 'start'))[1]}" for r in late)
+        shown = [self.rank] + late
+        coll = ", ".join(f"rank {r} {newest[r][0]}" for r in shown if r in newest)
         return (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not arrive "
-                f"at {lead} ({where}); every rank's stack is in {self.run_dir}/hang-<rank>.txt")
+                f"at {lead} ({where}); newest collective entered: {coll or 'not recorded'}; "
+                f"every rank's stack is in {self.run_dir}/hang-<rank>.txt")
+
+    def _read(self, kind: str) -> dict[int, list[str]]:
+        """Each rank's ``kind`` record in the store, split on ``|``."""
+        out = {}
+        for r in range(self.world):
+            key = f"{_KEY}/{kind}/{r}"
+            if self._store.check([key]):
+                out[r] = self._store.get(key).decode().split("|", 1)
+        return out
 
     def close(self) -> None:
         self._stop.set()
