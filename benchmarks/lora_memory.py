@@ -6,7 +6,7 @@ vocabulary; TinyLlama-1.1B by default, LLaMA-2-7B with ``--shape llama2-7b``)
 with fewer layers, so that full fine-tuning fits a small host. Each mode
 (``full``: every weight trains; ``lora``: adapters on a frozen base) runs
 ``--steps`` optimizer steps of the real trainer (``giantmodel.train.Trainer``,
-synthetic tokens, fp32, one process) in a fresh Python process, and reports:
+synthetic tokens, fp32 or bf16 autocast, one process) in a fresh Python process, and reports:
 
 * model states, counted tensor by tensor at the end of a step's backward:
   parameters, gradients (what ``.grad`` holds), optimizer state (AdamW's
@@ -57,7 +57,7 @@ def overrides(args, mode: str) -> list[str]:
            f"model.ffn_hidden_size={ffn}", f"model.vocab_size={vocab}",
            f"model.max_seq_len={args.seq_len}", "model.tie_embeddings=false",
            f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch}",
-           f"train.global_batch_size={args.batch}", "precision=fp32", "recompute=none",
+           f"train.global_batch_size={args.batch}", f"precision={args.precision}", "recompute=none",
            "optim.weight_decay=0.0"]
     if mode == "lora":
         targets = ",".join(args.targets)
@@ -147,7 +147,8 @@ def estimate(args, mode: str) -> dict:
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     mem = json.loads(out.stdout)["memory"]
     b = mem["breakdown"]
-    acts = b["activations"] + b["embedding_head_activations"]
+    # autocast's low-precision weight copies are saved for backward too
+    acts = b["activations"] + b["embedding_head_activations"] + b["working_weights"]
     return {"params": b["params"], "grads": b["grads"], "optimizer": b["optimizer"],
             "saved_activations": acts, "peak": mem["peak_bytes_per_rank"], "breakdown": b,
             "command": " ".join(["giantmodel", *cmd[3:]])}
@@ -168,6 +169,8 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: autocast with fp32 weights, as on GPUs")
     ap.add_argument("--modes", nargs="+", default=["full", "lora"])
     ap.add_argument("--mmap-threshold", type=int, default=131072,
                     help="bytes; the second run of each mode fixes glibc's mmap threshold here")
@@ -191,7 +194,7 @@ def main() -> int:
 
     gb = 1e9
     print(f"{args.shape} widths, {args.layers} layers, seq {args.seq_len} x batch {args.batch}, "
-          f"fp32, 1 process; LoRA rank {args.rank} on {', '.join(args.targets)}")
+          f"{args.precision}, 1 process; LoRA rank {args.rank} on {', '.join(args.targets)}")
     print(f"{'GB':<20}" + "".join(f"{m + ' meas':>12}{m + ' est':>12}{'err':>7}"
                                   for m in args.modes))
     for est_key, meas_key in ROWS:
