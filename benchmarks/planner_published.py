@@ -28,6 +28,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 
 from giantmodel.config.model import ModelConfig
@@ -37,7 +38,7 @@ from giantmodel.planner import hardware
 from giantmodel.planner.hardware import get_profile
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import memory_report
-from giantmodel.planner.perf import estimate_time, model_flops_per_step
+from giantmodel.planner.perf import PerfOptions, estimate_time, model_flops_per_step
 from giantmodel.planner.search import least_recompute_that_fits, search
 
 
@@ -52,10 +53,15 @@ class Run:
     seq_len: int
     published_tok_s_gpu: float
     layout: dict | None = None
-    """tp, pp, cp, zero, recompute, precision, micro_batch, schedule as the source
-    states them (micro-batch and schedule searched where it does not); None:
-    the planner's best layout."""
+    """tp, pp, cp, zero, recompute, precision, micro_batch, schedule ("1f1b": the
+    source's pipeline engine has no interleaving) and stage_layers as the source
+    states them (micro-batch, interleaving and an even or cost-balanced split
+    searched where it does not; recompute: the least that fits); None: the
+    planner's best layout."""
     note: str = ""
+    opts: PerfOptions | None = None
+    """How the source's stack differs from this engine where the planner models it
+    (e.g. torchtitan's op-level selective policy re-runs every second matmul)."""
 
     @property
     def split(self) -> str:
@@ -135,17 +141,23 @@ L3_70B = llama("llama3-70b", 80, 8192, 64, 28672, vocab=128256, kv=8, seq=8192)
 L2_13B = llama("llama2-13b", 40, 5120, 40, 13824, seq=4096)
 L2_70B = llama("llama2-70b", 80, 8192, 64, 28672, kv=8, seq=4096)
 EVERY_OTHER = "every-other"
+# torchtitan's "selective op" policy (parallelize_llama.py, _apply_ac_to_transformer_block):
+# "saves output of all compute ops, except every second mm", counted per block in call
+# order wq wk wv wo w1 w3 w2, so wk, wo and w3 are re-run in backward. This engine's
+# selective keeps every matmul output; the difference is stated, not fitted.
+TITAN_OP_SAC = PerfOptions(selective_matmuls=("wk", "wo", "w3"))
 for name, m, seq, mb, rc, wps in [
         ("llama3-8b sel-op", L3_8B, 8192, 1, "selective", 2973),
         ("llama3-8b sel-layer", L3_8B, 8192, 1, EVERY_OTHER, 2904),
         ("llama3-70b full", L3_70B, 8192, 1, "full", 331),
         ("llama2-13b none", L2_13B, 4096, 2, "none", 2162),
+        ("llama2-13b sel-layer", L2_13B, 4096, 2, EVERY_OTHER, 1914),
         ("llama2-13b sel-op", L2_13B, 4096, 2, "selective", 1904),
         ("llama2-70b sel-op", L2_70B, 4096, 1, "selective", 355),
         ("llama2-70b full", L2_70B, 4096, 2, "full", 353)]:
     RUNS.append(Run(TITAN_A100, name, m, "a100-80g", 64, 64 * mb, seq, float(wps),
                     layout={"zero": 3, "recompute": rc, "precision": "bf16", "micro_batch": mb},
-                    note=f"{wps} WPS, local batch {mb}"))
+                    note=f"{wps} WPS, local batch {mb}", opts=TITAN_OP_SAC))
 TITAN_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama 3.1 "
               "8B, FSDP, local batch 2, selective AC, no compile; H100 96GB HBM2e 2.4 TB/s, 500 W")
 for gpus, tps in ((8, 5762), (128, 5605)):
@@ -153,7 +165,8 @@ for gpus, tps in ((8, 5762), (128, 5605)):
                     8192, float(tps),
                     layout={"zero": 3, "recompute": "selective", "precision": "bf16",
                             "micro_batch": 2},
-                    note=f"{tps:,} TPS/GPU; profile = h100-sxm with 96 GB at 2.4 TB/s"))
+                    note=f"{tps:,} TPS/GPU; profile = h100-sxm with 96 GB at 2.4 TB/s, 500 W",
+                    opts=TITAN_OP_SAC))
 MTNLG = ("Smith et al. 2022 (Megatron-Turing NLG 530B with DeepSpeed, arXiv:2201.11990) sec. 2.4, "
          "as restated in llm-analysis's examples/megatron-turing-nlg: 8-way tensor x 35-way pipeline, "
          "global batch 1920 x 2048 tokens, seconds per iteration on 280/350/420 DGX A100")
@@ -163,8 +176,30 @@ for nodes, secs, tflops in ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)
     RUNS.append(Run(MTNLG, f"mt-nlg-530b x{gpus}", MT_NLG, "a100-80g", gpus, 1920, 2048,
                     1920 * 2048 / secs / gpus,
                     layout={"tp": 8, "pp": 35, "zero": 1, "recompute": "full",
-                            "precision": "bf16"},
+                            "precision": "bf16", "schedule": "1f1b"},
                     note=f"{secs} s per iteration ({tflops} TFLOP/s/GPU published)"))
+BLOOM = ("BigScience BLOOM 176B (bigscience-workshop/bigscience train/tr11-176B-ml/README.md; "
+         "bigscience.notion.site BigScience-176B-Model): 384 A100-80GB, Megatron-DeepSpeed, TP 4 x "
+         "PP 12 x DP 8, MBS 2, GBS 2048 x 2048 tokens, bf16, ZeRO-1, activation checkpointing, "
+         "'about 150 TFLOPs' counted as 8 x params x tokens (hardware FLOPs, with the recompute)")
+BLOOM_176B = gpt("bloom-176b", 70, 14336, 112, vocab=250880)
+RUNS.append(Run(BLOOM, "bloom-176b x384", BLOOM_176B, "a100-80g", 384, 2048, 2048,
+                150e12 / (8 * 176.247e9),
+                layout={"tp": 4, "pp": 12, "zero": 1, "recompute": "full", "precision": "bf16",
+                        "micro_batch": 2, "schedule": "1f1b",
+                        # the README's partition: the tied embedding counts as a block
+                        "stage_layers": (5,) + (6,) * 10 + (5,)},
+                note="about 150 TFLOP/s/GPU = 8 * 176.2e9 FLOPs per token"))
+MEGATRON_V1 = ("Megatron-LM v1.0 (nv-adlr.github.io/MegatronLMV1, 2020), Table 1: GPT-2, batch 8, "
+               "tensor parallel on one DGX-2H (V100-SXM3-32GB), iteration times; shapes from the "
+               "2019 post's Table 1 (nv-adlr.github.io/MegatronLM), sequence 1024, vocab 51200")
+for name, layers, hidden, heads, tp, ms in (("gpt2-1.2b", 40, 1536, 16, 1, 1288),
+                                            ("gpt2-4.2b", 64, 2304, 24, 4, 1357)):
+    RUNS.append(Run(MEGATRON_V1, f"{name} x{tp}", gpt(name, layers, hidden, heads, seq=1024),
+                    "v100-dgx2h", tp, 8, 1024, 8 * 1024 / (ms / 1000) / tp,
+                    layout={"tp": tp, "precision": "fp16", "micro_batch": 8},
+                    note=f"{ms} ms per iteration of 8 x 1024 tokens"))
+
 LLAMA3 = ("Llama 3 405B pretraining on H100-80GB (Dubey et al. 2024, arXiv:2407.21783, Table 4; "
           "as restated from Balaji, SC'24): TP/CP/PP, 16M tokens per batch, bf16")
 L31_405B = llama("llama3.1-405b", 126, 16384, 128, 53248, vocab=128256, kv=8, seq=131072)
@@ -177,9 +212,28 @@ for gpus, cp, seq, tflops in ((8192, 1, 8192, 430), (16384, 1, 8192, 400),
                     note=f"{tflops} TFLOP/s/GPU published"))
 
 
+# torchtitan's H100 (Grand Teton): 96 GB HBM2e at 2.4 TB/s, run at a 500 W cap; its note says the
+# true peak lies between the SXM (989 TFLOP/s at 700 W) and NVL parts. Dense GEMMs on an H100 run
+# at the power limit, and near the top of the DVFS curve voltage tracks clock, so dynamic power goes
+# as f^3: the clock, and the peak, scale as (500/700)^(1/3) = 0.89 (884 TFLOP/s bf16, inside the
+# stated bracket). A physical rule chosen before comparing, not a fitted factor.
+H100_500W_SCALE = (500 / 700) ** (1 / 3)
+
+
 def _profile(name: str, consts: dict | None = None):
-    hw = (replace(get_profile("h100-sxm"), name=name, memory_bytes=96e9, memory_bw=2.4e12)
-          if name == "h100-96g-500w" else get_profile(name))
+    if name == "h100-96g-500w":
+        base = get_profile("h100-sxm")
+        hw = replace(base, name=name, memory_bytes=96e9, memory_bw=2.4e12,
+                     peak_flops={k: v * H100_500W_SCALE for k, v in base.peak_flops.items()})
+    elif name == "v100-dgx2h":
+        # DGX-2H: 16 V100-SXM3-32GB at 450 W; the source's 62.4 TFLOP/s is "48% of the
+        # theoretical peak" (130 TFLOP/s fp16); NVSwitch 300 GB/s per GPU (150 each way);
+        # 100 GB/s per server between servers (6.25 GB/s per GPU)
+        base = get_profile("v100-32g")
+        hw = replace(base, name=name, peak_flops={**base.peak_flops, "fp16": 130e12},
+                     gpus_per_node=16, inter_bw=100e9 / 16)
+    else:
+        hw = get_profile(name)
     return replace(hw, **(consts or {}))
 
 
@@ -191,7 +245,7 @@ def _layouts(run: Run, spec: dict):
     dp = run.gpus // (tp * pp * cp)
     mbs = [spec["micro_batch"]] if "micro_batch" in spec else [1, 2, 4, 8]
     even = run.source == NARAYANAN   # Megatron (2021) needs equal stages
-    scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + [
+    scheds = [("1f1b", 1)] if pp == 1 or spec.get("schedule") == "1f1b" else [("1f1b", 1)] + [
         ("interleaved_1f1b", v) for v in (2, 3, 4)
         if (m.num_layers % (pp * v) == 0 if even else m.num_layers >= pp * v)]
     zero = spec.get("zero", 0)
@@ -201,11 +255,11 @@ def _layouts(run: Run, spec: dict):
         n_micro = run.global_batch // (mb * dp)
         if pp > 1 and (n_micro < pp or (v > 1 and n_micro % pp)):
             continue
-        split = (m.num_layers,) if pp * v == 1 else (
+        split = spec.get("stage_layers") or ((m.num_layers,) if pp * v == 1 else (
             # Megatron splits evenly; the others are balanced by cost
             (m.num_layers // (pp * v),) * (pp * v) if m.num_layers % (pp * v) == 0 else
             tuple(balanced_split(m.num_layers, pp * v, layer_cost(m, run.seq_len),
-                                 embedding_cost(m), head_cost(m))))
+                                 embedding_cost(m), head_cost(m)))))
         rc = spec.get("recompute", "none")   # unstated: the least that fits, in predict()
         layers = None
         if rc == EVERY_OTHER:
@@ -220,13 +274,15 @@ def _layouts(run: Run, spec: dict):
 
 def predict(run: Run, consts: dict | None = None) -> tuple[float, str]:
     hw = _profile(run.gpu, consts)
-    cluster = Cluster(run.gpus // hw.gpus_per_node, hw.gpus_per_node)
+    gpn = min(run.gpus, hw.gpus_per_node)   # a run on part of one node
+    cluster = Cluster(run.gpus // gpn, gpn)
+    opts = run.opts
     if run.layout is not None:
         best = None
         stated_mb = "micro_batch" in run.layout
         for lay in _layouts(run, run.layout):
             if "recompute" not in run.layout:
-                res = least_recompute_that_fits(run.model, lay, hw, cluster)
+                res = least_recompute_that_fits(run.model, lay, hw, cluster, opts)
                 if res is None:
                     continue
                 lay = res[0]
@@ -234,7 +290,7 @@ def predict(run: Run, consts: dict | None = None) -> tuple[float, str]:
             # a published micro-batch is timed as run; a searched one must fit
             if not (fits or stated_mb):
                 continue
-            perf = estimate_time(run.model, lay, hw, cluster, run.global_batch)
+            perf = estimate_time(run.model, lay, hw, cluster, run.global_batch, opts)
             if best is None or perf.tokens_per_sec > best[0]:
                 best = (perf.tokens_per_sec, lay.describe() + ("" if fits else " (over memory)"))
         if best is None:
@@ -243,7 +299,9 @@ def predict(run: Run, consts: dict | None = None) -> tuple[float, str]:
     cfg = JobConfig(model=run.model, precision="bf16")
     cfg.train.global_batch_size, cfg.train.seq_len = run.global_batch, run.seq_len
     cfg.train.micro_batch_size = 1
-    cands = search(cfg, hw, cluster)
+    # what `giantmodel plan` searches in its 30 s budget, counted in this process's CPU
+    # time so that the rows do not depend on other load on the host
+    cands = search(cfg, hw, cluster, opts, clock=time.process_time)
     return cands[0].perf.tokens_per_sec / run.gpus, "planner: " + cands[0].layout.describe()
 
 
@@ -355,9 +413,11 @@ def main(argv=None) -> int:
     for split in ("fit", "test"):
         sel = [r for r in rows if r["set"] == split]
         summary[split] = {"planner": _errors(sel), "baseline": _errors(sel, "baseline_error"),
-                          "gpu_kinds": sorted({r["gpu"] for r in sel})}
+                          "gpu_kinds": sorted({r["gpu"] for r in sel}),
+                          "kinds": sorted({r["gpu"].split("-")[0] for r in sel})}
         p, b = summary[split]["planner"], summary[split]["baseline"]
-        print(f"{split}: {p['n']} rows on {', '.join(summary[split]['gpu_kinds'])}; planner |error| "
+        print(f"{split}: {p['n']} rows on {len(summary[split]['kinds'])} GPU kinds "
+              f"({', '.join(summary[split]['gpu_kinds'])}); planner |error| "
               f"median {p['median'] * 100:.1f}% mean {p['mean'] * 100:.1f}% worst "
               f"{p['worst'] * 100:.1f}%; constant MFU {mfu * 100:.1f}%: median "
               f"{b['median'] * 100:.1f}% mean {b['mean'] * 100:.1f}% worst {b['worst'] * 100:.1f}%")

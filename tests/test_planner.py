@@ -252,6 +252,59 @@ def test_selective_keeps_less_than_none():
                 assert b["none"] > b["selective"] > b["full"], (m.arch, prec, tp, sp, cp, b)
 
 
+def test_selective_matmuls_cost_their_forward_once_more():
+    """A selective policy that re-runs named matmuls (torchtitan's op policy) costs
+    exactly their forward GEMMs on top of this engine's selective; other modes and
+    the default options are unchanged."""
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.layout import Layout
+    from giantmodel.planner.perf import PerfOptions, gemm_time, layer_time
+
+    m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192)
+    lay = Layout(tp=2, pp=1, dp=4, dp_shard=4, cp=1, sp=True, zero=3, virtual=1,
+                 schedule="1f1b", micro_batch=1, n_micro=1, seq_len=8192, precision="bf16",
+                 recompute="selective", offload_activations=False, stage_layers=(32,))
+    hw, cluster = get_profile("h100-sxm"), Cluster(1, 8)
+    plain = layer_time(m, lay, hw, cluster, PerfOptions())
+    titan = layer_time(m, lay, hw, cluster, PerfOptions(selective_matmuls=("wk", "wo", "w3")))
+    extra = sum(gemm_time(hw, "bf16", 8192, k, n)
+                for k, n in ((4096, 1024 / 2), (4096 / 2, 4096), (4096, 14336 / 2)))
+    assert titan.recompute == pytest.approx(plain.recompute + extra)
+    assert (titan.fwd, titan.bwd) == (plain.fwd, plain.bwd)
+    for mode in ("none", "full"):
+        assert layer_time(m, lay, hw, cluster, PerfOptions(selective_matmuls=("wk",)), mode) \
+            == layer_time(m, lay, hw, cluster, PerfOptions(), mode)
+
+
+def test_flat_buffer_sizing_is_greedy_and_fast_at_thousands_of_ranks():
+    """The planner sizes ZeRO-1/2 flat buffers for every candidate layout: the
+    owner assignment must stay the engine's greedy one (largest first, least
+    loaded, lowest rank on ties) and take well under a second at dp 2048
+    (it took 52 s per layout for LLaMA-65B, so `plan` ran out of time)."""
+    import random
+
+    from giantmodel.parallel.flat_buffer import _owner_loads, layout_sizes
+
+    def greedy(sizes, owners):
+        loads, owner_of = [0] * owners, [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+            r = min(range(owners), key=lambda k: (loads[k], k))
+            owner_of[i], loads[r] = r, loads[r] + sizes[i]
+        return owner_of, loads
+
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.choice([1, 8, 8, 100, rng.randint(1, 1000)]) for _ in range(rng.randint(0, 30))]
+        owners = rng.randint(1, 9)
+        assert _owner_loads(sizes, owners) == greedy(sizes, owners)
+    layer = [8192 * 8192] * 4 + [8192 * 22016] * 3 + [8192] * 2   # one LLaMA-65B block
+    t0 = time.process_time()
+    flat = layout_sizes(layer * 80, owners=2048, bucket_numel=25 * 2 ** 20 // 4)
+    assert time.process_time() - t0 < 5.0
+    assert flat.total >= sum(layer) * 80 and flat.owned <= flat.shard
+
+
 def test_recompute_layers_config_checks():
     from giantmodel.config import load_config
 

@@ -23,6 +23,7 @@ at most ``balance`` of each bucket (about 2% by default).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -64,13 +65,17 @@ class Bucket:
 
 
 def _owner_loads(sizes: list[int], owners: int) -> tuple[list[int], list[int]]:
-    """Largest first, each to the least-loaded owner: (owner per size, loads)."""
+    """Largest first, each to the least-loaded owner (lowest rank on ties):
+    (owner per size, loads). A heap of (load, rank) keeps this O(n log owners):
+    the planner sizes layouts with thousands of data-parallel ranks."""
     loads = [0] * owners
     owner_of = [0] * len(sizes)
+    heap = [(0, r) for r in range(owners)]   # already a heap: sorted
     for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-        r = min(range(owners), key=lambda k: (loads[k], k))
+        load, r = heapq.heappop(heap)
         owner_of[i] = r
-        loads[r] += sizes[i]
+        loads[r] = load + sizes[i]
+        heapq.heappush(heap, (loads[r], r))
     return owner_of, loads
 
 

@@ -62,6 +62,12 @@ class PerfOptions:
 
     flash_bwd_factor: float = 2.5
     """Backward / forward time of fused attention (it recomputes QK^T)."""
+    selective_matmuls: tuple[str, ...] = ()
+    """Block matmuls (``wq wk wv wo w1 w2 w3``) whose forward a ``selective`` policy
+    re-runs in backward. This engine's policy keeps every matmul output (none);
+    other stacks differ: torchtitan's op-level policy saves every matmul output
+    except every second one (``wk wo w3`` in a LLaMA block), so a plan compared
+    with such a run says so here."""
 
 
 # ----------------------------------------------------------------- ops
@@ -207,6 +213,9 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
         kept = sum(layer_activation_bytes(m, prec, "selective", layout.micro_batch,
                                           layout.seq_len, t, layout.sp, cp).values())
         rec, rec_comm = mem_time(hw, 2.0 * max(0.0, none - kept)) + regather, regather
+        shapes = _block_matmul_shapes(m, t)
+        rec += sum(gemm_time(hw, prec, tokens, *shapes[name])
+                   for name in opts.selective_matmuls if name in shapes)
     else:
         rec, rec_comm = 0.0, 0.0
     return LayerTime(fwd, bwd, rec, comm_f + comm_b + rec_comm)
@@ -226,6 +235,17 @@ def edge_fractions(layout: Layout) -> tuple[float, float]:
     """Forward share of the embedding's and of the head's time: a frozen
     (LoRA) embedding has no backward, a frozen head no weight gradient."""
     return (1.0, 0.5) if layout.lora_rank else (1 / 3, 1 / 3)
+
+
+def _block_matmul_shapes(m, t: int) -> dict[str, tuple[float, float]]:
+    """(k, n) of each block matmul on one tensor-parallel rank, by weight name."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    shapes = {"wq": (h, q / t), "wk": (h, kv / t), "wv": (h, kv / t), "wo": (q / t, h),
+              "w1": (h, f / t), "w2": (f / t, h)}
+    if m.arch == "llama":
+        shapes["w3"] = (h, f / t)
+    return shapes
 
 
 def edge_times(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float]:

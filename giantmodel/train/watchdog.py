@@ -171,4 +171,9 @@ class HangWatch:
         return out
 
     def close(self) -> None:
+        """Stop the poller and wait for it: a daemon thread still inside a store
+        call when the interpreter exits is torn down mid-C++ call, which can
+        abort the process (SIGABRT) after training succeeded."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10 * _POLL_S)
