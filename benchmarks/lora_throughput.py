@@ -38,7 +38,9 @@ def giantmodel_trainer(run_dir: str, args):
         "data.pack=false", "train.eval_every=0", "train.sample_tokens=0", "train.device=cpu",
         f"train.threads={args.threads}", f"data.cache_dir={args.cache}",
         "checkpoint.every=0", "checkpoint.save_final=false", "run.tensorboard=false",
-        "run.progress=false", "optim.warmup_steps=0", "optim.schedule=constant"])
+        "run.progress=false", "optim.warmup_steps=0", "optim.schedule=constant",
+        # the recipe's min_lr back to the default: a constant schedule refuses a set one
+        "optim.min_lr=3e-4"])
     return Trainer(cfg)
 
 

@@ -255,3 +255,72 @@ def test_cli_refuses_bad_lora_before_training(capsys):
     assert err.startswith("error: lora.rank") and "\n" not in err
     assert main(["train", "objective=lora", "lora.targets=[q_pro]"]) == 2
     assert "'q_pro' matches no module" in capsys.readouterr().err
+
+
+def test_plan_and_estimate_follow_the_lora_keys():
+    """Every layout `giantmodel plan` searches carries the adapters (rank,
+    targets); a frozen base keeps no linear inputs nor RMSNorm products for
+    its weights; foreach AdamW's step temporary counts trained elements only."""
+    from giantmodel.planner.hardware import get_profile
+    from giantmodel.planner.layout import Cluster, resolve_layout
+    from giantmodel.planner.memory import layer_activation_bytes, memory_report
+    from giantmodel.planner.search import apply_layout, search
+
+    common = ["model.hidden_size=512", "model.num_layers=4", "model.num_heads=8",
+              "model.num_kv_heads=8", "model.ffn_hidden_size=1408", "model.vocab_size=32000",
+              "model.max_seq_len=512", "train.seq_len=512", "train.micro_batch_size=1",
+              "train.global_batch_size=4", "precision=fp32"]
+    lora = load_config(overrides=common + ["objective=lora", "lora.rank=16",
+                                           "lora.targets=[q_proj,v_proj]"])
+    full = load_config(overrides=common)
+    hw, cluster = get_profile("cpu"), Cluster(1, 2)
+    cands = search(lora, hw, cluster, time_budget_s=20)
+    assert cands
+    for c in cands:
+        assert c.layout.lora_rank == 16
+        assert c.layout.lora_paths == ("attention.wq", "attention.wv")
+        again = resolve_layout(apply_layout(lora, c.layout), cluster)
+        assert memory_report(lora.model, again, hw).peak_bytes_per_rank == c.memory.peak_bytes_per_rank
+    one = Cluster(1, 1)
+    lo_layout, full_layout = resolve_layout(lora, one), resolve_layout(full, one)
+    acts = layer_activation_bytes(lora.model, "fp32", "none", 1, 512,
+                                  lora=(16, lo_layout.lora_paths))
+    assert "feed_forward.input" not in acts and "feed_forward.w2_input" not in acts
+    assert "attention_norm.normed" not in acts and acts["attention.input"] == 512 * 4 * 512
+    assert acts["attention.wq.lora_ax"] == 512 * 4 * 16
+    lo = memory_report(lora.model, lo_layout, hw).ranks[0].components
+    fu = memory_report(full.model, full_layout, hw).ranks[0].components
+    assert lo["activations"] < 0.8 * fu["activations"]
+    assert "head.input" not in str(lo) and lo["optimizer_step"] == 0
+    # foreach (the CPU default) holds sqrt(v) for all trained elements once
+    # backward has freed the (here few) activations
+    short = load_config(overrides=common + ["train.seq_len=16", "train.global_batch_size=1"])
+    layout = resolve_layout(short, one)
+    fu = memory_report(short.model, layout, hw).ranks[0].components
+    assert 0.45 * fu["optimizer"] < fu["optimizer_step"] <= 0.5 * fu["optimizer"]
+    gpu = memory_report(short.model, layout, get_profile("h100-sxm")).ranks[0].components
+    assert gpu["optimizer_step"] == 0
+
+
+def test_throughput_model_knows_the_frozen_base():
+    """A frozen base has no weight gradients; only the adapters are reduced
+    over dp and updated by the optimizer."""
+    from giantmodel.planner.hardware import get_profile
+    from giantmodel.planner.layout import Cluster, resolve_layout
+    from giantmodel.planner.perf import estimate_time
+
+    common = ["model.hidden_size=4096", "model.num_layers=8", "model.num_heads=32",
+              "model.num_kv_heads=32", "model.ffn_hidden_size=11008", "model.vocab_size=32000",
+              "model.max_seq_len=2048", "train.seq_len=2048", "train.micro_batch_size=1",
+              "train.global_batch_size=8", "precision=bf16", "parallel.dp=8"]
+    full = load_config(overrides=common)
+    lora = load_config(overrides=common + ["objective=lora", "lora.targets=[q_proj,v_proj]"])
+    hw, cluster = get_profile("h100-sxm"), Cluster(1, 8)
+    f = estimate_time(full.model, resolve_layout(full, cluster), hw, cluster, 8)
+    lo = estimate_time(lora.model, resolve_layout(lora, cluster), hw, cluster, 8)
+    assert 0.6 < lo.stage_s[0] / f.stage_s[0] < 0.85   # backward: input gradients only
+    assert lo.breakdown["optimizer"] < 0.01 * f.breakdown["optimizer"]
+    assert lo.breakdown["dp_comm_exposed"] < 0.1 * f.breakdown["dp_comm_exposed"]
+    # model FLOPs: 4 per frozen weight and token (forward, input gradient), not 6
+    flops = [r.tflops_per_gpu * r.step_s for r in (lo, f)]
+    assert 0.6 < flops[0] / flops[1] < 0.7

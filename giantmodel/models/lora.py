@@ -6,7 +6,7 @@ keeps its ``weight`` and ``bias`` under the same names, so the frozen base
 loads from (and exports to) any checkpoint exactly as the plain model's; the
 adapter adds ``lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r]:
 
-    y = x W^T + b + (alpha / r) * dropout(x) A^T B^T
+    y = x W^T + b + ((alpha / r) * dropout(x) A^T) B^T
 
 ``A`` starts Kaiming-uniform (PEFT's default) or Gaussian (std 1/r), ``B`` at
 zero, so training starts from the base model's function. Adapter names
@@ -76,7 +76,15 @@ class LoRALinear(nn.Module):
             out = out + self.bias if self.bias is not None else out
         else:
             out = F.linear(x, self.weight, self.bias)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        # Scale the rank-r activations, not the output: B (s A x) = s B A x,
+        # and the multiply (forward and backward) touches r columns, not out.
+        delta = self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
+        if type(out) is torch.Tensor and not self.weight.requires_grad:
+            # Autograd keeps no frozen linear's output, so add in place and
+            # skip a fresh [tokens, out] buffer. Sharded (DTensor) outputs
+            # add out of place: their placements may differ from delta's.
+            return out.add_(delta)
+        return out + delta
 
     def base_weight(self) -> torch.Tensor:
         """The base weight in floating point (dequantised when NF4)."""

@@ -42,7 +42,8 @@ class SPMDRunner:
 
     def forward_backward(self, microbatches: list[dict], precision: Precision) -> float:
         model = self.parts[0]
-        model.train()
+        if not model.training:   # eval_loss leaves it training; skip the module walk
+            model.train()
         units = self.global_units(microbatches)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(microbatches):

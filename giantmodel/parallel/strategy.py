@@ -59,18 +59,23 @@ class NoDataParallel:
     def __init__(self, dims):
         self.dims = dims
         self.parts: list[nn.Module] = []
+        self._trained: list[nn.Parameter] = []
 
     def wrap(self, module, blocks, edge_units) -> None:
         return None
 
     def attach(self, parts: list[nn.Module]) -> None:
         self.parts = parts
+        # What can hold a gradient, found once: a frozen base (LoRA) is most
+        # of the model, and walking it every step costs a small model's step
+        # a few percent.
+        self._trained = [p for p in unique_params(parts) if p.requires_grad]
 
     def before_backward(self, last_microbatch: bool) -> None:
         return None
 
     def finish(self) -> None:
-        align_grad_placements(self.parts)
+        align_grad_placements(self.parts, self._trained)
 
     def build_optimizer(self, optim_cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
         return build_adamw(unique_params(self.parts), optim_cfg, device_type)
@@ -83,7 +88,7 @@ class NoDataParallel:
 
     def norm_terms(self) -> list[tuple[torch.Tensor, int]]:
         return [(local_tensor(p.grad), replication(p.grad, self.dims))
-                for p in unique_params(self.parts) if p.grad is not None]
+                for p in self._trained if p.grad is not None]
 
 
 def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int) -> str:
@@ -99,15 +104,17 @@ def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int) -> str:
 
 
 @torch.no_grad()
-def align_grad_placements(parts: list[nn.Module]) -> None:
+def align_grad_placements(parts: list[nn.Module],
+                          params: list[nn.Parameter] | None = None) -> None:
     """Give every DTensor gradient its parameter's placements.
 
     Under sequence parallelism a replicated norm weight comes back from
     backward with a ``Partial`` gradient (each tp rank saw part of the
     sequence), and the vocab-parallel embedding with a ``Replicate`` one;
     this all-reduces the former over tp and slices the latter, so clipping,
-    the optimizer and data-parallel reduction all see true local shards."""
-    for p in unique_params(parts):
+    the optimizer and data-parallel reduction all see true local shards.
+    ``params``: the parameters of ``parts`` that can hold gradients, when known."""
+    for p in unique_params(parts) if params is None else params:
         g = p.grad
         if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)

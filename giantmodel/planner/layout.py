@@ -59,6 +59,9 @@ class Layout:
     """QLoRA: adapted base weights stored as 4-bit NF4."""
     recompute_layers: tuple[str, ...] | None = None
     """Per-block recompute modes (one per model layer); None: ``recompute`` everywhere."""
+    optim_impl: str = "auto"
+    """AdamW kernel (``optim.impl``): foreach allocates a temporary the size
+    of the optimizer's parameters in each step; fused (CUDA's auto) does not."""
 
     def layer_modes(self, pp_rank: int) -> list[str]:
         """Recompute mode of each block that pipeline rank ``pp_rank`` runs."""
@@ -132,10 +135,6 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         n_micro = dims.pipeline.n_micro
         micro_batch = cfg.train.global_batch_size // dims.dp // n_micro
         split = list(dims.pipeline.layer_counts)
-    lora = {}
-    if cfg.objective == "lora":
-        lora = {"lora_rank": cfg.lora.rank, "lora_nf4": cfg.lora.quantize_base == "nf4",
-                "lora_paths": tuple(block_targets(cfg.lora.targets, cfg.model.arch))}
     return Layout(
         tp=dims.tp, pp=dims.pp, dp=dims.dp, dp_shard=dims.dp_shard, cp=dims.cp, sp=p.sp,
         zero=p.zero, virtual=p.pp_virtual if dims.pp > 1 else 1, schedule=p.pp_schedule,
@@ -143,4 +142,15 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         precision=cfg.precision, recompute=cfg.recompute,
         offload_activations=cfg.offload.activations, stage_layers=tuple(split),
         bucket_mb=p.bucket_mb,
-        recompute_layers=tuple(cfg.recompute_layers) if cfg.recompute_layers else None, **lora)
+        recompute_layers=tuple(cfg.recompute_layers) if cfg.recompute_layers else None,
+        **job_fields(cfg))
+
+
+def job_fields(cfg) -> dict:
+    """The Layout fields every layout of ``cfg``'s job shares, whatever the
+    degrees: the optimizer kernel and, for the lora objective, the adapters."""
+    out = {"optim_impl": cfg.optim.impl}
+    if cfg.objective == "lora":
+        out.update(lora_rank=cfg.lora.rank, lora_nf4=cfg.lora.quantize_base == "nf4",
+                   lora_paths=tuple(block_targets(cfg.lora.targets, cfg.model.arch)))
+    return out

@@ -264,8 +264,11 @@ class Term:
     """K/V tensor: all-gathered over context parallelism, so cp times longer."""
 
 
-def layer_terms(m, precision: str) -> list[Term]:
-    """Saved tensors of one transformer block (see the module docstring)."""
+def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = None
+                ) -> list[Term]:
+    """Saved tensors of one transformer block (see the module docstring).
+    ``lora`` = (rank, adapted paths): the block's base is frozen (see
+    :func:`_frozen_base_terms`)."""
     c = DTYPE_BYTES[precision]
     cast = c < 4   # autocast: each linear casts its input separately
     h, f = m.hidden_size, m.ffn_hidden_size
@@ -303,7 +306,41 @@ def layer_terms(m, precision: str) -> list[Term]:
                   Term("feed_forward.w2_input", c * f, "tp")]
         if m.dropout > 0:  # CUDA dropout keeps a 1-byte mask per element
             terms += [Term("dropout.masks", 2 * h, "seq"), Term("attention.dropout_rng", 0, "tp")]
-    return terms
+    return terms if lora is None else _frozen_base_terms(m, terms, c, *lora)
+
+
+# Which linears read each saved linear input (the block's q/k/v and MLP inputs).
+_LINEAR_INPUTS = {"attention.input": ("attention.wq", "attention.wk", "attention.wv"),
+                  "feed_forward.input": ("feed_forward.w1", "feed_forward.w3"),
+                  "feed_forward.w2_input": ("feed_forward.w2",)}
+
+
+def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
+                       paths: tuple[str, ...]) -> list[Term]:
+    """LoRA: a frozen weight needs no weight gradient, so autograd keeps a
+    linear's input only for the adapters that read it (one cast copy per
+    adapter under autocast, as for the base linears); RMSNorm's ``x * rstd``
+    was kept only for its (now frozen) weight. Each adapter adds its rank-r
+    ``A x`` (B's input). GPT's LayerNorm keeps its input and statistics anyway."""
+    cast = c < 4
+    out = []
+    for t in terms:
+        if t.name.endswith(".normed"):
+            continue
+        readers = _LINEAR_INPUTS.get(t.name)
+        if readers is not None:
+            if m.arch == "gpt" and t.name == "feed_forward.input":
+                readers = ("feed_forward.w1",)
+            adapted = sum(r in paths for r in readers)
+            if not adapted:
+                continue
+            per_reader = t.bytes_per_token / (len(readers) if cast else 1)
+            t = Term(t.name, per_reader * (adapted if cast else 1), t.split)
+        out.append(t)
+    # A x is [tokens, r] whole on every tp rank (A's row-parallel partial
+    # sums are reduced); adapter dropout (lora.dropout > 0) is not counted.
+    out += [Term(f"{p}.lora_ax", c * rank, "full") for p in paths]
+    return out
 
 
 def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
@@ -340,18 +377,21 @@ _ACTS: dict[tuple, dict[str, float]] = {}
 
 
 def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_len: int,
-                           tp: int = 1, sp: bool = False, cp: int = 1) -> dict[str, float]:
+                           tp: int = 1, sp: bool = False, cp: int = 1,
+                           lora: tuple[int, tuple[str, ...]] | None = None) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch, by tensor name.
-    ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens."""
-    key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp)
+    ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens.
+    ``lora``: (rank, adapted paths) of a frozen base (:func:`layer_terms`)."""
+    key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora)
     if key not in _ACTS:
-        _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp)
+        _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp,
+                                             cp, lora)
     return dict(_ACTS[key])
 
 
-def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp):
+def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp, lora):
     tokens = micro_batch * seq_len / cp
-    terms = layer_terms(m, precision)
+    terms = layer_terms(m, precision, lora)
     if mode == "full":
         first = terms[0]  # the block input (fp32 residual)
         return {"block.input": _term_bytes(first, tokens, tp, sp, cp)}
@@ -366,9 +406,12 @@ def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp
 
 
 def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
-                          cp: int, first: bool, last: bool) -> dict[str, float]:
+                          cp: int, first: bool, last: bool,
+                          frozen: bool = False) -> dict[str, float]:
     """Embedding (first stage) and final norm + head + loss (last stage) tensors
-    kept for backward for one micro-batch; logits are vocab-parallel under tp."""
+    kept for backward for one micro-batch; logits are vocab-parallel under tp.
+    ``frozen`` (LoRA): the final RMSNorm and the head keep nothing for their
+    weights' gradients."""
     c = DTYPE_BYTES[precision]
     tokens = micro_batch * seq_len / cp
     h, v = m.hidden_size, m.vocab_size
@@ -379,11 +422,15 @@ def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp:
             out["rope_table"] = seq_len / cp * m.dim_per_head * 4
     if last:
         seq_div = tp if sp else 1
-        norm = 8 * h if m.arch == "llama" else 4 * h + 8
+        norm = (4 if frozen else 8) * h if m.arch == "llama" else 4 * h + 8
         out["final_norm"] = tokens * norm / seq_div
-        out["head.input"] = tokens * (c * h if c < 4 else 4 * h)
-        # logits (compute dtype, held by the step) + fp32 log-softmax output
-        out["logits"] = tokens * (c + 4) * v / tp
+        if not frozen:
+            out["head.input"] = tokens * (c * h if c < 4 else 4 * h)
+        # the fp32 log-softmax output (NLL reads the same tensor). The step
+        # holds no reference to the logits (objective.loss passes them straight
+        # to the loss) and their fp32 copy is not saved, so both are freed in
+        # forward, below the backward transient that follows.
+        out["logits"] = tokens * 4 * v / tp
     return out
 
 
@@ -574,8 +621,9 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     else:
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len
+    lora = (layout.lora_rank, layout.lora_paths) if layout.lora_rank else None
     by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
-                                            layout.sp, layout.cp)
+                                            layout.sp, layout.cp, lora)
                for mode in set(modes) | {"none", layout.recompute}}
     per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
@@ -585,7 +633,8 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     else:
         acts = rank_bytes * inflight
     edges = edge_activation_bytes(m, layout.precision, b, s, layout.tp, layout.sp, layout.cp,
-                                  first=0 in stages, last=ns - 1 in stages)
+                                  first=0 in stages, last=ns - 1 in stages,
+                                  frozen=bool(layout.lora_rank))
     edge_inflight = {k: v * (inflight if k == "embedding.ids" else 1.0) for k, v in edges.items()}
     comp["activations"] = acts
     comp["embedding_head_activations"] = sum(edge_inflight.values())
@@ -605,10 +654,27 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         # do not add up.
         comp["grads_not_yet_allocated"] = -min(
             comp["grads"], acts + comp["embedding_head_activations"] + transient)
+    comp["optimizer_step"] = optimizer_step_bytes(layout, hw, comp, style)
     comp["fragmentation"] = FRAGMENTATION * (acts + comp["embedding_head_activations"] + transient
                                              + comp["working_weights"] + comp["comm_buffers"])
     comp["reserved"] = hw.reserved_bytes if hw is not None else 0.0
     return RankMemory(pp_rank, comp, per_layer, n_layers, inflight)
+
+
+def optimizer_step_bytes(layout: Layout, hw, comp: dict[str, float], style: str) -> float:
+    """What the optimizer step needs beyond the backward peak. Multi-tensor
+    (foreach) AdamW, the CPU default, builds sqrt(v) for all of a group's
+    parameters at once: 4 bytes per element it updates, allocated after
+    backward has freed the activations and autocast's weight copies. The
+    fused kernel (auto on CUDA) needs none."""
+    foreach = layout.optim_impl == "foreach" or (
+        layout.optim_impl == "auto" and hw is not None and not offloads_to_host(hw))
+    if not foreach:
+        return 0.0
+    temp = 4 * comp["optimizer"] / StateBytes.for_style(style).optim
+    freed = (comp["working_weights"] + comp["activations"] + comp["embedding_head_activations"]
+             + comp["backward_transient"] + comp.get("grads_not_yet_allocated", 0.0))
+    return max(0.0, temp - freed)
 
 
 def memory_report(m, layout: Layout, hw, style: str = "autocast") -> MemoryReport:

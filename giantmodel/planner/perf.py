@@ -32,6 +32,11 @@ the recompute pass left out and generalised to any MLP and attention width:
 matmuls, V vocabulary, h hidden, q = heads x head_dim). For GPT-3 shapes
 (P_matmul = 12h^2, q = h) this is 72*B*s*L*h^2 * (1 + s/(6h) + V/(12hL)).
 MFU = F / step time / (GPUs x dense peak of the precision).
+
+LoRA (a frozen base with adapters) computes no weight gradients for the
+base: its matmuls cost forward + input gradient (4 FLOPs per weight and
+token), its embedding no backward, and only the adapters are reduced across
+data-parallel ranks and updated by the optimizer; F counts the same.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from giantmodel.planner.memory import (
     DTYPE_BYTES,
     MIB,
     layer_activation_bytes,
+    lora_layer_shapes,
     offloads_to_host,
     param_table,
 )
@@ -195,8 +201,12 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
                                       t, layout.sp, cp).values())
     elem = mem_time(hw, 2.0 * none)   # each saved tensor written once, read once
     comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)
-    fwd = gemm + attn + elem + comm_f
-    bwd = 2 * gemm + opts.flash_bwd_factor * attn + 2 * elem + comm_b
+    adapters = _adapter_gemm_time(m, layout, hw, tokens)
+    fwd = gemm + adapters + attn + elem + comm_f
+    # backward: input and weight gradients; a frozen base (LoRA) needs the
+    # input gradients only, its adapters both
+    base_bwd = gemm if layout.lora_rank else 2 * gemm
+    bwd = base_bwd + 2 * adapters + opts.flash_bwd_factor * attn + 2 * elem + comm_b
     if mode == "full":
         rec, rec_comm = fwd, comm_f
     elif mode == "selective":
@@ -209,6 +219,22 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     else:
         rec, rec_comm = 0.0, 0.0
     return LayerTime(fwd, bwd, rec, comm_f + comm_b + rec_comm)
+
+
+def _adapter_gemm_time(m, layout: Layout, hw, tokens: float) -> float:
+    """Forward time of one block's LoRA adapters (A x, then B (A x))."""
+    if not layout.lora_rank:
+        return 0.0
+    shapes = lora_layer_shapes(param_table(m), layout)
+    return sum(gemm_time(hw, layout.precision, tokens, a[1], a[0])
+               + gemm_time(hw, layout.precision, tokens, b[1], b[0])
+               for a, b in zip(shapes[::2], shapes[1::2]))
+
+
+def edge_fractions(layout: Layout) -> tuple[float, float]:
+    """Forward share of the embedding's and of the head's time: a frozen
+    (LoRA) embedding has no backward, a frozen head no weight gradient."""
+    return (1.0, 0.5) if layout.lora_rank else (1 / 3, 1 / 3)
 
 
 def _block_matmul_shapes(m, t: int) -> dict[str, tuple[float, float]]:
@@ -228,10 +254,11 @@ def edge_times(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float]:
     c = DTYPE_BYTES[prec]
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     h, v = m.hidden_size, m.vocab_size
-    emb = mem_time(hw, 3 * tokens * h * 4)
+    frozen = bool(layout.lora_rank)
+    emb = mem_time(hw, (1 if frozen else 3) * tokens * h * 4)
     if t > 1:  # vocab-parallel embedding: partial rows are all-reduced
         emb += collective_time(hw, cluster, "all_reduce", tokens * h * 4, t, 1)
-    head = 3 * gemm_time(hw, prec, tokens, h, v / t)
+    head = (2 if frozen else 3) * gemm_time(hw, prec, tokens, h, v / t)
     head += mem_time(hw, tokens * v / t * (2 * c + 24))  # logits, fp32 softmax fwd + bwd
     return emb, head
 
@@ -257,6 +284,18 @@ def model_flops_per_step(m, global_batch: int, seq_len: int) -> float:
     p_mm = table.layer_linear_numel(1) - _bias_numel(table)
     return (6.0 * global_batch * seq_len * (m.num_layers * p_mm + m.vocab_size * m.hidden_size)
             + 12.0 * global_batch * seq_len ** 2 * m.num_layers * m.num_heads * m.dim_per_head)
+
+
+def lora_flops_per_step(m, layout: Layout, global_batch: int) -> float:
+    """What LoRA changes in :func:`model_flops_per_step`: the frozen weights'
+    matmuls run forward and input-gradient (4 FLOPs per weight and token, not
+    6), the adapters all three."""
+    table = param_table(m)
+    tokens = global_batch * layout.seq_len
+    p_mm = table.layer_linear_numel(1) - _bias_numel(table)
+    adapters = sum(math.prod(s) for s in lora_layer_shapes(table, replace(layout, tp=1)))
+    return tokens * (-2.0 * (m.num_layers * p_mm + m.vocab_size * m.hidden_size)
+                     + 6.0 * m.num_layers * adapters)
 
 
 def _bias_numel(table) -> int:
@@ -305,12 +344,13 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
         for mode, n in layout.layer_mode_counts(r).items():
             f += n * times[mode].fwd
             b += n * (times[mode].bwd + times[mode].recompute)
+        emb_f, head_f = edge_fractions(layout)
         if 0 in stages:
-            f += emb / 3
-            b += 2 * emb / 3
+            f += emb * emb_f
+            b += emb * (1 - emb_f)
         if layout.num_stages - 1 in stages:
-            f += head / 3
-            b += 2 * head / 3
+            f += head * head_f
+            b += head * (1 - head_f)
         if layout.pp > 1:
             f += hop * len(stages)
             b += hop * len(stages)
@@ -325,6 +365,15 @@ def _local_params(m, layout: Layout) -> float:
             / layout.pp)
 
 
+def _trained_params(m, layout: Layout, local: float) -> float:
+    """Parameters with gradients on one rank: all of them, or (LoRA) the
+    adapters alone, which are all the engine reduces and updates."""
+    if not layout.lora_rank:
+        return local
+    per_layer = sum(math.prod(s) for s in lora_layer_shapes(param_table(m), layout))
+    return m.num_layers / layout.pp * per_layer
+
+
 def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
              fwd_bwd_per_mb: float) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step) per step; see the
@@ -334,35 +383,36 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
         bwd_per_mb = fwd_bwd_per_mb = 0.0
     table = param_table(m)
     local = _local_params(m, layout)
+    trained = _trained_params(m, layout, local)
     c = DTYPE_BYTES[layout.precision]
     n = layout.dp * layout.cp
     stride = layout.tp
     shard = layout.dp_shard * layout.cp
-    bucket = min(layout.bucket_mb * MIB, local * 4)
+    bucket = min(layout.bucket_mb * MIB, trained * 4)
     exposed = 0.0
     if n > 1 and layout.zero <= 2:
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective_time(hw, cluster, kind, local * 4, n, stride)
+        reduce = collective_time(hw, cluster, kind, trained * 4, n, stride)
         tail = collective_time(hw, cluster, kind, bucket, n, stride)
         per_window = max(0.0, reduce - bwd_per_mb) + tail
         exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
         if layout.zero >= 1:   # updated parameters gathered after the step
-            exposed += collective_time(hw, cluster, "all_gather", local * 4, n, stride)
+            exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
     elif n > 1:
         unit = table.layer_numel(layout.tp)
         passes = 2   # forward gathers; backward re-gathers (zero 3) and reduce-scatters
         # FSDP2 copies each gather's shards in and the unsharded result out, and
         # the gradients into and out of the reduce-scatter buffer
-        copies = mem_time(hw, 2 * local * (passes * c + 4))
+        copies = mem_time(hw, 2 * (local * passes * c + trained * 4))
         per_mb = (passes * collective_time(hw, cluster, "all_gather", local * c, shard, stride)
-                  + collective_time(hw, cluster, "reduce_scatter", local * 4, shard, stride)
+                  + collective_time(hw, cluster, "reduce_scatter", trained * 4, shard, stride)
                   + copies)
         first = collective_time(hw, cluster, "all_gather", unit * c, shard, stride)
         exposed = layout.n_micro * (first + max(0.0, per_mb - fwd_bwd_per_mb))
         if layout.dp_replicate > 1:
-            exposed += collective_time(hw, cluster, "all_reduce", local * 4 / shard,
+            exposed += collective_time(hw, cluster, "all_reduce", trained * 4 / shard,
                                        layout.dp_replicate, stride * shard)
-    opt_params = local / (n if layout.zero >= 1 else 1)
+    opt_params = trained / (n if layout.zero >= 1 else 1)
     if hw.adamw_rate:
         opt = opt_params / hw.adamw_rate
     else:
@@ -395,6 +445,8 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
     step = pipe + dp_exposed + opt
     tokens = global_batch * layout.seq_len
     flops = model_flops_per_step(m, global_batch, layout.seq_len)
+    if layout.lora_rank:
+        flops += lora_flops_per_step(m, layout, global_batch)
     world = layout.world
     peak = hw.flops(layout.precision)
     comm_per_mb = 0.0

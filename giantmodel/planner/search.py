@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from giantmodel.config.errors import ConfigError
 from giantmodel.core.pipeline_split import balanced_split, embedding_cost, head_cost, layer_cost
 from giantmodel.planner.layer_recompute import layer_recompute_plan
-from giantmodel.planner.layout import Cluster, Layout, resolve_layout
+from giantmodel.planner.layout import Cluster, Layout, job_fields, resolve_layout
 from giantmodel.planner.memory import MemoryReport, memory_report, offloads_to_host
 from giantmodel.planner.perf import PerfOptions, PerfReport, estimate_time
 
@@ -65,6 +65,7 @@ def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
     """Every structurally valid layout of ``cfg``'s model and batch on ``cluster``."""
     m, t = cfg.model, cfg.train
     world, gbs, seq = cluster.world, t.global_batch_size, t.seq_len
+    job = job_fields(cfg)
     cps = [c for c in (1, 2, 4, 8) if seq % (2 * c) == 0 and (c == 1 or seq >= 4096)]
     for tp in _tp_options(m, cluster):
         for cp in cps:
@@ -102,7 +103,7 @@ def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
                                         recompute=recompute,
                                         offload_activations=offload_activations,
                                         stage_layers=split,
-                                        bucket_mb=cfg.parallel.bucket_mb)
+                                        bucket_mb=cfg.parallel.bucket_mb, **job)
 
 
 def least_recompute_that_fits(m, layout: Layout, hw, cluster: Cluster | None = None,
@@ -242,7 +243,7 @@ def smallest_fitting_cluster(cfg, hw, gpus_per_node: int, max_nodes: int = 4096)
                                 precision=cfg.precision, recompute="full",
                                 offload_activations=offloads_to_host(hw),
                                 stage_layers=_split(m, cfg.train.seq_len, pp),
-                                bucket_mb=cfg.parallel.bucket_mb)
+                                bucket_mb=cfg.parallel.bucket_mb, **job_fields(cfg))
                 if memory_report(m, layout, hw).fits:
                     return cluster
     return None
