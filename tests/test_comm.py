@@ -192,6 +192,22 @@ def _ops_worker(rank, world):
     t = torch.full((5,), float(rank))
     dist.all_reduce(t, group=mixed)
     assert torch.all(t == sum(range(world)))
+    # a rank that cannot map the segment (a small /dev/shm) makes the whole
+    # group fall back to gloo instead of failing or leaving the others waiting
+    lib = _lib.load()
+    for failing in (0, 1):
+        real = lib.gm_open
+        if rank == failing:
+            lib.gm_open = lambda *args: 0
+        try:
+            unmapped = dist.new_group(backend="giant")
+        finally:
+            lib.gm_open = real
+        assert not unmapped.accelerated, failing
+        t = torch.full((5,), float(rank))
+        dist.all_reduce(t, group=unmapped)
+        assert torch.all(t == sum(range(world)))
+        unmapped.shutdown()
     # the giant backend records what it ran, for the hang report
     from giantmodel.comm import record
     newest = [e for e in record.entries() if e["process_group"][0] == prio.group_name][-1]

@@ -34,7 +34,7 @@ from giantmodel.comm.cuda_reduce import CpuReduce
 from giantmodel.comm.engine import CollectiveEngine
 from giantmodel.comm.hierarchical import HierarchicalAllReduce
 from giantmodel.comm.settings import GiantOptions, default_chunk_bytes
-from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
+from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, CommError, ShmGroup
 from giantmodel.comm.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -83,10 +83,8 @@ class GiantProcessGroup(dist.ProcessGroup):
         usable = self._settings.accelerate and (self.topology.num_nodes == 1
                                                  or self.topology.hierarchical)
         if _all_agree(store, rank, size, "accelerate", usable and _lib.load() is not None):
-            chunk = self._settings.chunk_bytes or default_chunk_bytes(
-                self.topology.local_size, os.cpu_count() or 1)
-            self._shm = self._make_shm(chunk)
-            if self.topology.hierarchical:
+            self._shm = self._first_shm(store, rank, size)
+            if self._shm is not None and self.topology.hierarchical:
                 self._hier = HierarchicalAllReduce(self._shm, store, self.topology, timeout)
         topo = self.topology
         use_sched = self._settings.priority and self._shm is not None and topo.num_nodes == 1
@@ -101,6 +99,23 @@ class GiantProcessGroup(dist.ProcessGroup):
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
         return pg
+
+    def _first_shm(self, store, rank: int, size: int) -> ShmGroup | None:
+        """The group's shared-memory segment, or None on every rank when any
+        rank could not map one (a small /dev/shm in a container, say): then
+        the group runs on gloo, as without the C++ core, instead of failing."""
+        chunk = self._settings.chunk_bytes or default_chunk_bytes(
+            self.topology.local_size, os.cpu_count() or 1)
+        try:
+            shm = self._make_shm(chunk)
+        except CommError as e:
+            log.warning("giant backend: %s; this group runs its collectives on gloo", e)
+            shm = None
+        if _all_agree(store, rank, size, "shm_mapped", shm is not None):
+            return shm
+        if shm is not None:
+            shm.close()
+        return None
 
     def _make_shm(self, chunk_bytes: int) -> ShmGroup:
         topo = self.topology
