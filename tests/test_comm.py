@@ -270,6 +270,40 @@ def test_hierarchical_two_emulated_nodes_and_autotune_cache(tmp_path):
     assert all(r == res[0] for r in res)
 
 
+def _late_peer_worker(rank, world):
+    import time
+    from datetime import timedelta
+
+    register_backend()
+    group = dist.new_group(backend="giant", timeout=timedelta(seconds=2))
+    dist.all_reduce(torch.ones(8), group=group)  # both arrive: the group works
+    if rank == 1:
+        time.sleep(4)  # past the group's timeout: rank 0 gives up waiting
+    outcomes = []
+    for async_op in (True, False):
+        t = torch.full((8,), float(rank + 1))
+        try:
+            work = dist.all_reduce(t, group=group, async_op=async_op)
+            if async_op:
+                work.wait()
+            outcomes.append(f"returned {t.tolist()[0]}")
+        except Exception as e:  # noqa: BLE001 - the outcome is the result
+            outcomes.append(f"raised {e}")
+    group.shutdown()
+    return outcomes
+
+
+@needs_core
+@pytest.mark.timeout(60)
+def test_a_failed_collective_raises_in_wait_and_never_returns_partial_data():
+    """A collective that times out on the engine thread (async) or on the
+    caller's (sync) raises; it must never hand back one rank's own values as
+    if reduced (torch's Work built from a future would report success)."""
+    r0, r1 = run_ranks(_late_peer_worker, 2, timeout=50)
+    assert r0[0].startswith("raised") and "timed out" in r0[0], r0
+    assert all(o.startswith("raised") for o in r0 + r1), (r0, r1)
+
+
 def test_config_validation_names_the_key():
     CommConfig().validate()
     for kwargs, key in (({"backend": "mpi"}, "comm.backend"), ({"chunk_kb": 6}, "comm.chunk_kb"),

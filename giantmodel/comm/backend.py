@@ -59,6 +59,29 @@ def _done(value) -> dist.Work:
     return _create_work_from_future(fut)
 
 
+class _FutureWork(dist.Work):
+    """The Work of a collective that runs on the engine thread.
+
+    torch's ``_create_work_from_future`` gives a Work whose ``wait()``
+    returns True even when the future holds an exception, so a collective
+    that timed out or lost a peer would look done and its caller would read
+    partial data. This one re-raises the collective's error in ``wait()``."""
+
+    def __init__(self, fut: Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()  # raises the collective's exception, if any
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> Future:
+        return self._fut
+
+
 class GiantProcessGroup(dist.ProcessGroup):
     """Shared-memory collectives with gloo/NCCL underneath."""
 
@@ -193,7 +216,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             result = self._engine.run_inline(job)
             if result is not NotImplemented:
                 return _done(result)
-        work = _create_work_from_future(self._engine.submit(job, priority))
+        work = _FutureWork(self._engine.submit(job, priority))
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -482,7 +505,7 @@ def _chain(works: list[dist.Work], value) -> dist.Work:
         return _done(value)
     futs = [w.get_future() for w in works]
     combined = torch.futures.collect_all(futs).then(lambda f: [_raise_first(f.value()), value][1])
-    return _create_work_from_future(combined)
+    return _FutureWork(combined)
 
 
 def _raise_first(futs) -> None:
