@@ -40,6 +40,7 @@ from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.distributed.linkprobe import probe_links
 from giantmodel.planner.hardware import GB, MEASURED_PROFILE_FILE
+from giantmodel.planner.measure import DTensorOpCounter
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -129,25 +130,6 @@ def memory_bandwidth(device: str, nbytes: int, repeats: int = 3) -> tuple[float,
     return copy, add
 
 
-def _count_dtensor_ops(fn) -> int:
-    """Aten ops that ``fn`` dispatches with a DTensor among their arguments."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(isinstance(t, DTensor) for t in tree_flatten((args, kwargs))[0]):
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
 def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 20) -> float:
     """Seconds each aten op costs more when its arguments are DTensors
     (sharding propagation, unwrapping and rewrapping, in Python on the
@@ -186,7 +168,9 @@ def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 20) -> float
         def many(fn):
             return lambda: [fn() for _ in range(calls)]
         plain, dt = make(False), make(True)
-        ops = _count_dtensor_ops(dt)
+        with DTensorOpCounter() as counter:
+            dt()
+        ops = counter.n
         extra = _best_time(many(dt), device, repeats) - _best_time(many(plain), device, repeats)
         return max(0.0, extra / calls / max(1, ops))
     finally:

@@ -231,34 +231,59 @@ def _adapter_gemm_time(m, layout: Layout, hw, tokens: float) -> float:
                for a, b in zip(shapes[::2], shapes[1::2]))
 
 
-# DTensor-dispatched aten ops per micro-batch, forward + backward, counted
-# on this engine's TP plan (giantmodel.parallel.tensor) with a dispatch mode
-# (torch 2.13): F.linear on a [B, T, k] DTensor runs view, t, mm,
-# _unsafe_view forward, and t x4, mm x2, view x2 backward; a bias adds its
-# add and its gradient's sum. Under sp an RMSNorm on the sequence-sharded
-# residual is 24 ops forward + backward (pow, mean, add, rsqrt, mul x2 and
-# their gradients), a LayerNorm 4 (native_layer_norm, its backward, views),
-# and each block's two residual adds run on DTensors (2 forward, 2 gradient
-# sums). The input gradients of linears that share an input (wq wk wv; w1
-# w3) are partial DTensors summed: 2 adds per attention, 1 per SwiGLU.
+# DTensor-dispatched aten ops, counted on this engine's TP plan
+# (giantmodel.parallel.tensor) with planner.measure.DTensorOpCounter, torch
+# 2.13 (tests/test_planner_ranks.py checks them): F.linear on a [B, T, k]
+# DTensor runs view, t, mm, _unsafe_view forward and t x4, mm x2, view x2
+# backward (12); a bias 10 more (addmm, expand, its gradient's sum, views).
+# The input gradients of linears sharing an input (wq wk wv; w1 w3) are
+# partial DTensors summed: 2 adds per attention, 1 per SwiGLU. Autocast casts
+# each parameter and its gradient (3 ops) and each summed gradient (1).
+# Recompute (full or selective) re-runs the forward: 4 ops per linear and 4
+# per parameter (6 under autocast). Under sp an RMSNorm on the sequence-
+# sharded residual is 24 ops (pow, mean, add, rsqrt, mul x2, gradients), a
+# LayerNorm about 4, and the two residual adds run on DTensors (4 with their
+# gradients). Every DTensor parameter's gradient costs one op per micro-batch
+# (detached when created, added to after).
 LINEAR_DTENSOR_OPS = 12
+BIAS_DTENSOR_OPS = 10
 NORM_DTENSOR_OPS = {"llama": 24, "gpt": 4}
 
 
-def dtensor_ops(m, layout: Layout) -> tuple[float, float, float]:
-    """(per block, embedding, head + final norm + loss) DTensor ops of one
-    micro-batch, forward + backward, on a tensor-parallel rank; 0 at tp 1."""
+def _block_tp_tensors(m) -> tuple[int, int, int]:
+    """(linears, their parameters, partial input gradients summed) of one block."""
+    if m.arch == "llama":
+        return 7, 7, 3
+    return 4, 8, 2
+
+
+def block_dtensor_ops(m, tp: int, sp: bool, precision: str, mode: str) -> float:
+    """DTensor ops of one block and micro-batch, forward + backward (and the
+    forward re-run under recompute), without the per-parameter gradient op
+    (:func:`dtensor_params`); 0 at tp 1."""
+    if tp <= 1:
+        return 0.0
+    linears, params, sums = _block_tp_tensors(m)
+    autocast = precision != "fp32"
+    ops = linears * LINEAR_DTENSOR_OPS + (params - linears) * BIAS_DTENSOR_OPS + sums
+    if autocast:
+        ops += 3 * params + sums
+    if mode in ("full", "selective"):
+        ops += 4 * linears + (6 if autocast else 4) * params
+    if sp:
+        ops += 2 * NORM_DTENSOR_OPS.get(m.arch, NORM_DTENSOR_OPS["llama"]) + 4
+    return float(ops)
+
+
+def dtensor_ops(m, layout: Layout) -> tuple[float, float]:
+    """(embedding, head + final norm + loss) DTensor ops of one micro-batch,
+    forward + backward, on a tensor-parallel rank; 0 at tp 1."""
     if layout.tp <= 1:
-        return 0.0, 0.0, 0.0
-    llama = m.arch == "llama"
-    linear = LINEAR_DTENSOR_OPS + (0 if llama else 2)
-    block = (7 if llama else 4) * linear + (3 if llama else 2)
-    norm = NORM_DTENSOR_OPS.get(m.arch, NORM_DTENSOR_OPS["llama"])
+        return 0.0, 0.0
     head = LINEAR_DTENSOR_OPS + 4   # output head; log-softmax, nll loss and their backward
     if layout.sp:
-        block += 2 * norm + 4
-        head += norm
-    return float(block), 2.0, float(head)   # embedding lookup and its backward
+        head += NORM_DTENSOR_OPS.get(m.arch, NORM_DTENSOR_OPS["llama"])
+    return 2.0, float(head)   # embedding lookup and its backward
 
 
 def dtensor_params(m, layout: Layout, pp_rank: int) -> int:
@@ -266,7 +291,7 @@ def dtensor_params(m, layout: Layout, pp_rank: int) -> int:
     linear (and norm, under sp), the embedding and the head where they live."""
     if layout.tp <= 1:
         return 0
-    per_block = (7 if m.arch == "llama" else 4) * (1 if m.arch == "llama" else 2)
+    per_block = _block_tp_tensors(m)[1]
     if layout.sp:
         per_block += 2 * (1 if m.arch == "llama" else 2)
     stages = layout.rank_stages(pp_rank)
@@ -382,7 +407,9 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     hop = p2p_time(hw, cluster, tokens * m.hidden_size * 4 / (layout.tp if layout.sp else 1),
                    layout.world // layout.pp)
-    dt_block, dt_emb, dt_head = dtensor_ops(m, layout)
+    dt_emb, dt_head = dtensor_ops(m, layout)
+    dt_block = {mode: block_dtensor_ops(m, layout.tp, layout.sp, layout.precision, mode)
+                for mode in times}
     out = []
     for r in range(layout.pp):
         stages = layout.rank_stages(r)
@@ -391,7 +418,7 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
         for mode, n in layout.layer_mode_counts(r).items():
             f += n * times[mode].fwd
             b += n * (times[mode].bwd + times[mode].recompute)
-            ops += n * dt_block * (4 / 3 if mode == "full" else 1)   # full re-runs the forward
+            ops += n * dt_block[mode]
         emb_f, head_f = edge_fractions(layout)
         if 0 in stages:
             f += emb * emb_f
@@ -503,9 +530,8 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
         act_bytes = 2 * per * max(layout.stage_layers)
         pipe += m_count * max(0.0, act_bytes / hw.host_bw - 0.7 * t_mb)
     dp_exposed, opt = dp_times(m, layout, hw, cluster, slow.bwd, t_mb)
-    # gradients of DTensor parameters accumulate (one add_ each) in every
-    # micro-batch after the first
-    accumulate = (m_count - 1) * max(dtensor_params(m, layout, r) for r in range(layout.pp))
+    # one op per DTensor parameter's gradient and micro-batch
+    accumulate = m_count * max(dtensor_params(m, layout, r) for r in range(layout.pp))
     opt += accumulate * hw.dtensor_op_s
     step = pipe + dp_exposed + opt
     tokens = global_batch * layout.seq_len
