@@ -95,11 +95,23 @@ def adamw_rate(device: str, numel: int, repeats: int = 3) -> float:
     return numel / _best_time(opt.step, device, repeats)
 
 
+def _together() -> None:
+    """Start the next measurement on every rank at once (under torchrun or a
+    test's process group): ranks that share a host share its caches and
+    memory bandwidth in training, so each figure is taken with all of them
+    busy, not in the gaps a drifting peer leaves."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def matmul_curve(device: str, dtype: str, sizes: list[int], repeats: int = 3) -> list[list[float]]:
     """[[n, FLOP/s], ...] for each size, made non-decreasing (a larger GEMM
     can always be run as the smaller one's tiles)."""
     out, best = [], 0.0
     for n in sizes:
+        _together()
         best = max(best, matmul_flops(device, dtype, n, repeats))
         out.append([float(n), best])
     return out
@@ -208,8 +220,12 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             attn_seq: int | None = None) -> dict:
     """A profile mapping (fields of HardwareProfile) for ``device``."""
     import torch
+    import torch.distributed as dist
 
     gpu = device.startswith("cuda")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        # under torchrun: every rank measures at once (_together)
+        dist.init_process_group("nccl" if gpu else "gloo")
     sizes = sizes or ([256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024])
     nbytes = (mem_mb or (1024 if gpu else 256)) * 2 ** 20
     curves, peaks = {}, {}
@@ -220,10 +236,13 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             continue
         peaks[dt] = curves[dt][-1][1]
     main = "bf16" if gpu and "bf16" in peaks else "fp32"
+    _together()
     attn = attention_flops(device, main, attn_seq or (4096 if gpu else 512))
+    _together()
     copy, add = memory_bandwidth(device, nbytes)
     # as many parameters as the copy test's bytes: the states (16 B each) then
     # outgrow the caches, as a model's do
+    _together()
     adam = adamw_rate(device, nbytes // 4)
     dtensor_op = dtensor_op_overhead(device)
     if gpu:
