@@ -185,7 +185,35 @@ def _ops_worker(rank, world):
     assert torch.all(t == sum(range(world)))
     # (gloo sums 16-bit floats in 16 bits, so only fp32/int are held to the fp32 reference)
     _check_scatter_gather(rank, world, plain, everyone, dtypes=(torch.float32, torch.int64))
-    for g in (giant, prio, plain):
+    # a rank without the core (not built on its host) makes the whole group
+    # delegate, instead of leaving the others waiting on shared memory
+    mixed = dist.new_group(backend="giant", pg_options=GiantOptions(accelerate=rank != 1))
+    assert not mixed.accelerated
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t, group=mixed)
+    assert torch.all(t == sum(range(world)))
+    # a rank that cannot map the segment (a small /dev/shm) makes the whole
+    # group fall back to gloo instead of failing or leaving the others waiting
+    lib = _lib.load()
+    for failing in (0, 1):
+        real = lib.gm_open
+        if rank == failing:
+            lib.gm_open = lambda *args: 0
+        try:
+            unmapped = dist.new_group(backend="giant")
+        finally:
+            lib.gm_open = real
+        assert not unmapped.accelerated, failing
+        t = torch.full((5,), float(rank))
+        dist.all_reduce(t, group=unmapped)
+        assert torch.all(t == sum(range(world)))
+        unmapped.shutdown()
+    # the giant backend records what it ran, for the hang report
+    from giantmodel.comm import record
+    newest = [e for e in record.entries() if e["process_group"][0] == prio.group_name][-1]
+    assert newest["profiling_name"] == "giant:all_reduce"
+    assert newest["input_sizes"] == [[50_000]] and newest["collective_seq_id"] == 6
+    for g in (giant, prio, plain, mixed):
         g.shutdown()
     return True
 
@@ -255,8 +283,12 @@ def test_config_validation_names_the_key():
 
 
 def test_backend_for_and_registration():
+    # auto: one CPU process needs no group worth accelerating; several get
+    # the giant backend; CUDA gets NCCL at any size
     assert backend_for(CommConfig(), "cpu") == ("gloo", None)
-    assert backend_for(CommConfig(), "cuda") == ("nccl", None)
+    assert backend_for(CommConfig(), "cpu", world_size=4) == ("giant", GiantOptions())
+    assert backend_for(CommConfig(), "cuda", world_size=4) == ("nccl", None)
+    assert backend_for(CommConfig(backend="gloo"), "cpu", world_size=4) == ("gloo", None)
     with pytest.raises(ConfigError):
         backend_for(CommConfig(backend="nccl"), "cpu")
     name, options = backend_for(CommConfig(backend="giant", node_size=2, chunk_kb=512), "cpu")

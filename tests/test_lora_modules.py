@@ -292,13 +292,16 @@ def test_plan_and_estimate_follow_the_lora_keys():
     fu = memory_report(full.model, full_layout, hw).ranks[0].components
     assert lo["activations"] < 0.8 * fu["activations"]
     assert "head.input" not in str(lo) and lo["optimizer_step"] == 0
-    # foreach (the CPU default) holds sqrt(v) for all trained elements once
-    # backward has freed the (here few) activations
-    short = load_config(overrides=common + ["train.seq_len=16", "train.global_batch_size=1"])
+    # foreach holds sqrt(v) for all trained elements once backward has freed
+    # the (here few) activations; fused (auto, on CPU and CUDA) holds none
+    short = load_config(overrides=common + ["train.seq_len=16", "train.global_batch_size=1",
+                                            "optim.impl=foreach"])
     layout = resolve_layout(short, one)
     fu = memory_report(short.model, layout, hw).ranks[0].components
     assert 0.45 * fu["optimizer"] < fu["optimizer_step"] <= 0.5 * fu["optimizer"]
-    gpu = memory_report(short.model, layout, get_profile("h100-sxm")).ranks[0].components
+    auto = resolve_layout(load_config(overrides=common + ["train.seq_len=16"]), one)
+    assert memory_report(short.model, auto, hw).ranks[0].components["optimizer_step"] == 0
+    gpu = memory_report(short.model, auto, get_profile("h100-sxm")).ranks[0].components
     assert gpu["optimizer_step"] == 0
 
 

@@ -69,9 +69,14 @@ def _worker(rank: int, world: int, run_dir: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_hung_rank_is_named_and_every_rank_writes_its_stack(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "auto"])
+def test_hung_rank_is_named_and_every_rank_writes_its_stack(tmp_path, backend):
+    """gloo: a process group made before the trainer, recorded by torch's
+    flight recorder. auto: the trainer makes it (the giant backend on CPU),
+    and the giant backend's own record shows its collectives."""
     run = tmp_path / "run"
-    r0, _ = run_ranks(_worker, 2, str(run), timeout=90, backend="gloo", pg_timeout=60)
+    r0, _ = run_ranks(_worker, 2, str(run), timeout=90,
+                      backend="gloo" if backend == "gloo" else None, pg_timeout=60)
     msg = r0["outcome"]
     assert msg.startswith("stopped: rank 1 did not arrive at step 3 forward_backward"), msg
     assert "rank 1 last entered step 2 optimizer_step" in msg, msg
@@ -91,16 +96,17 @@ def test_hung_rank_is_named_and_every_rank_writes_its_stack(tmp_path):
     # the flight recorder shows the collective rank 0 waits in, which rank 1
     # never entered: the same group, one sequence number further
     newest = [_newest_collective(t) for t in (text0, text1)]
-    assert newest[0][0] == newest[1][0] == "0 (default_pg, ranks [0, 1])", newest
+    desc = "default_pg" if backend == "gloo" else "giant"
+    assert newest[0][0] == newest[1][0] == f"0 ({desc}, ranks [0, 1])", newest
     assert newest[0][1] == newest[1][1] + 1, newest
-    assert (f"newest collective entered: rank 0 group 0 (default_pg, ranks [0, 1]) "
+    assert (f"newest collective entered: rank 0 group 0 ({desc}, ranks [0, 1]) "
             f"#{newest[0][1]}") in msg, msg
-    assert f"rank 1 group 0 (default_pg, ranks [0, 1]) #{newest[1][1]}" in msg, msg
+    assert f"rank 1 group 0 ({desc}, ranks [0, 1]) #{newest[1][1]}" in msg, msg
 
 
 def _newest_collective(text: str) -> tuple[str, int]:
     """(group, sequence number) of the first line under the flight-recorder heading."""
     block = text.split("last collectives entered (", 1)[1].splitlines()[1]
-    m = re.match(r"\s+group (.+\]\)) #(\d+) gloo:", block)
+    m = re.match(r"\s+group (.+\]\)) #(\d+) (gloo|giant):", block)
     assert m, block
     return m.group(1), int(m.group(2))

@@ -86,7 +86,9 @@ def rank_main(rank: int, world: int, case_name: str, steps: int, warmup: int,
             prof = profile_step(trainer.train_step)
         return {"losses": losses, "step_times": times[warmup:], "peak_rss": rss,
                 "profile": prof if rank == 0 else None,
-                "backend": cfg.comm.backend, "bucket_mb": cfg.parallel.bucket_mb}
+                # what the run used: comm.backend=auto resolves per device and
+                # world size, and the giant backend tunes its bucket size
+                "backend": trainer.backend, "bucket_mb": trainer.bucket_mb}
     finally:
         trainer.close()
 

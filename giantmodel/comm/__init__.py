@@ -34,23 +34,32 @@ def register_backend() -> None:
                                   devices=["cpu", "cuda"])
 
 
-def backend_for(cfg: CommConfig, device_type: str) -> tuple[str, GiantOptions | None]:
+def backend_for(cfg: CommConfig, device_type: str,
+                world_size: int = 1) -> tuple[str, GiantOptions | None]:
     """The backend name and ``pg_options`` to pass to ``init_process_group``.
 
-    "auto" means nccl on CUDA and gloo otherwise. For "giant" the options
-    carry the config's tuning fields to the backend torch creates; its
-    sub-groups inherit them.
+    "auto" means nccl on CUDA; on CPU, the giant backend for a job of several
+    ranks (its shared-memory core is faster than gloo at every ZeRO stage and
+    in pipelines: benchmarks/RESULTS.md, peers) and gloo for one process.
+    The choice depends only on the config, the device and the world size,
+    so every rank makes the same one; a host without the C++ core still
+    joins, and its group then runs every collective on gloo. For "giant" the
+    options carry the config's tuning fields to the backend torch creates;
+    its sub-groups inherit them.
     """
     cfg.validate()
-    if cfg.backend == "auto":
-        return ("nccl" if device_type == "cuda" else "gloo"), None
-    if cfg.backend == "nccl" and device_type != "cuda":
+    backend = cfg.backend
+    if backend == "auto":
+        if device_type == "cuda":
+            return "nccl", None
+        backend = BACKEND_NAME if device_type == "cpu" and world_size > 1 else "gloo"
+    if backend == "nccl" and device_type != "cuda":
         raise ConfigError(f"nccl needs CUDA but the device is {device_type!r}; use "
                           "comm.backend=gloo, giant or auto", key="comm.backend")
-    if cfg.backend == BACKEND_NAME:
+    if backend == BACKEND_NAME:
         register_backend()
-        return cfg.backend, GiantOptions.from_config(cfg)
-    return cfg.backend, None
+        return backend, GiantOptions.from_config(cfg)
+    return backend, None
 
 
 def extension_status() -> str:

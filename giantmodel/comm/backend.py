@@ -29,12 +29,12 @@ from torch.distributed import ReduceOp
 from torch.futures import Future
 from torch.profiler import record_function
 
-from giantmodel.comm import _lib
+from giantmodel.comm import _lib, record
 from giantmodel.comm.cuda_reduce import CpuReduce
 from giantmodel.comm.engine import CollectiveEngine
 from giantmodel.comm.hierarchical import HierarchicalAllReduce
 from giantmodel.comm.settings import GiantOptions, default_chunk_bytes
-from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
+from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, CommError, ShmGroup
 from giantmodel.comm.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,10 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta,
                  global_ranks: list[int] | None = None,
-                 settings: GiantOptions | None = None):
+                 settings: GiantOptions | None = None, group_name: str = "?"):
         super().__init__(rank, size)
         self._settings = settings or GiantOptions()
+        self._group_name, self._seq = group_name, 0
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
                                self._gloo)
@@ -79,12 +80,11 @@ class GiantProcessGroup(dist.ProcessGroup):
         self._cpu_reduce = None
         self._store, self._timeout, self._generation = store, timeout, 0
         self._use_hier = self.topology.hierarchical
-        if self._settings.accelerate and _lib.load() is not None and (self.topology.num_nodes == 1
-                                                    or self.topology.hierarchical):
-            chunk = self._settings.chunk_bytes or default_chunk_bytes(
-                self.topology.local_size, os.cpu_count() or 1)
-            self._shm = self._make_shm(chunk)
-            if self.topology.hierarchical:
+        usable = self._settings.accelerate and (self.topology.num_nodes == 1
+                                                 or self.topology.hierarchical)
+        if _all_agree(store, rank, size, "accelerate", usable and _lib.load() is not None):
+            self._shm = self._first_shm(store, rank, size)
+            if self._shm is not None and self.topology.hierarchical:
                 self._hier = HierarchicalAllReduce(self._shm, store, self.topology, timeout)
         topo = self.topology
         use_sched = self._settings.priority and self._shm is not None and topo.num_nodes == 1
@@ -99,6 +99,23 @@ class GiantProcessGroup(dist.ProcessGroup):
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
         return pg
+
+    def _first_shm(self, store, rank: int, size: int) -> ShmGroup | None:
+        """The group's shared-memory segment, or None on every rank when any
+        rank could not map one (a small /dev/shm in a container, say): then
+        the group runs on gloo, as without the C++ core, instead of failing."""
+        chunk = self._settings.chunk_bytes or default_chunk_bytes(
+            self.topology.local_size, os.cpu_count() or 1)
+        try:
+            shm = self._make_shm(chunk)
+        except CommError as e:
+            log.warning("giant backend: %s; this group runs its collectives on gloo", e)
+            shm = None
+        if _all_agree(store, rank, size, "shm_mapped", shm is not None):
+            return shm
+        if shm is not None:
+            shm.close()
+        return None
 
     def _make_shm(self, chunk_bytes: int) -> ShmGroup:
         topo = self.topology
@@ -167,7 +184,10 @@ class GiantProcessGroup(dist.ProcessGroup):
             return self._nccl
         return self._gloo
 
-    def _launch(self, job: Callable[[], object], opts=None, priority: int = 0) -> dist.Work:
+    def _launch(self, op: str, tensors, job: Callable[[], object], opts=None,
+                priority: int = 0) -> dist.Work:
+        self._seq += 1
+        record.note(self._group_name, self._seq, op, tensors)
         job = _profiled(job)
         if not getattr(opts, "asyncOp", True) and self._coalescing is None:
             result = self._engine.run_inline(job)
@@ -207,7 +227,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             for t in tensors:
                 self._allreduce_one(t, op, scale)
             return tensors
-        return self._launch(job, opts, priority)
+        return self._launch("all_reduce", tensors, job, opts, priority)
 
     def _cpu_reduce_ok(self, tensors, op) -> bool:
         return (self._settings.cuda_cpu_reduce and self._shm is not None and op is not None
@@ -232,7 +252,7 @@ class GiantProcessGroup(dist.ProcessGroup):
                 else:
                     self._cpu_reduce.all_reduce(t, op, scale, s)
             return tensors
-        return self._launch(job, opts)
+        return self._launch("all_reduce", tensors, job, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         ar = dist.AllreduceOptions()
@@ -254,7 +274,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             if self.rank() == root and src is not t:
                 t.copy_(src)
             return tensors
-        return self._launch(job, opts)
+        return self._launch("reduce", tensors, job, opts)
 
     # ---- reduce-scatter / all-gather -----------------------------------
     def reduce_scatter_single(self, output, input, opts=None):
@@ -272,7 +292,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             if out is not output:
                 output.copy_(out)
             return [output]
-        return self._launch(job, opts)
+        return self._launch("reduce_scatter", [input], job, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -304,7 +324,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             if out is not output:
                 output.copy_(out)
             return [output]
-        return self._launch(job, opts)
+        return self._launch("all_gather", [input], job, opts)
 
     _allgather_base = all_gather_single
 
@@ -327,7 +347,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
             return outs
-        return self._launch(job, opts)
+        return self._launch("all_gather", input_list, job, opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self._delegated(self._inner(input_list).allgather_coalesced(
@@ -346,7 +366,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             if buf is not t:
                 t.copy_(buf)
             return tensors
-        return self._launch(job, opts)
+        return self._launch("broadcast", tensors, job, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
@@ -365,7 +385,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             if out is not output:
                 output.copy_(out)
             return [output]
-        return self._launch(job, opts)
+        return self._launch("all_to_all", [input], job, opts)
 
     alltoall_base = all_to_all_single
 
@@ -380,7 +400,7 @@ class GiantProcessGroup(dist.ProcessGroup):
         def job():
             self._shm.barrier()
             return []
-        return self._launch(job, opts)
+        return self._launch("barrier", [], job, opts)
 
     # ---- delegated as-is -----------------------------------------------
     def send(self, tensors, dst, tag=0):
@@ -441,6 +461,14 @@ def _profiled(job: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def _all_agree(store, rank: int, size: int, name: str, mine: bool) -> bool:
+    """True when every rank of the group says True. A rank without the C++
+    core (not built on its host) must not leave the others waiting on a
+    shared-memory segment: then the whole group delegates to gloo."""
+    store.set(f"{name}/{rank}", "1" if mine else "0")
+    return all(store.get(f"{name}/{r}") == b"1" for r in range(size))
+
+
 def _ar_opts(op) -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     if op is not None:
@@ -470,7 +498,7 @@ def create_giant_backend(dist_opts, backend_opts=None) -> GiantProcessGroup:
     settings = backend_opts if isinstance(backend_opts, GiantOptions) else _inherited_options()
     return GiantProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                              dist_opts.timeout, list(dist_opts.global_ranks_in_group or []),
-                             settings)
+                             settings, group_name=str(dist_opts.group_id))
 
 
 def _inherited_options() -> GiantOptions:

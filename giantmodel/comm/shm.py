@@ -109,6 +109,7 @@ class ShmGroup:
             h = self.lib.gm_open(self._name.encode(), 0, self.world, self.chunk_bytes, 1,
                                  self.threads, self._timeout_s, err, len(err))
             if not h:
+                store.set("shm_name", "")  # the other local ranks stop waiting for it
                 raise CommError(f"cannot create shared memory: {err.value.decode()}")
             self._handle = h
             store.set("shm_name", self._name)
@@ -116,6 +117,8 @@ class ShmGroup:
             self._unlink()
         else:
             self._name = store.get("shm_name").decode()
+            if not self._name:
+                raise CommError("local rank 0 could not create the shared-memory segment")
             h = self.lib.gm_open(self._name.encode(), self.rank, self.world, self.chunk_bytes,
                                  0, self.threads, self._timeout_s, err, len(err))
             if not h:

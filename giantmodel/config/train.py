@@ -86,7 +86,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     impl: Literal["auto", "fused", "foreach", "plain"] = "auto"
-    """AdamW kernel: fused (CUDA), foreach (multi-tensor), or plain for-loop; auto picks the fastest available."""
+    """AdamW kernel: fused (one kernel per tensor; CUDA and CPU), foreach (multi-tensor), or plain for-loop; auto picks fused on CUDA and CPU, foreach elsewhere."""
 
     def validate(self) -> None:
         if self.lr <= 0:

@@ -38,8 +38,9 @@ def build_adamw(params: Iterable[torch.Tensor], cfg: OptimConfig,
     """AdamW over ``params`` (duplicates, e.g. tied weights, counted once)."""
     impl = cfg.impl
     if impl == "auto":
-        # The fused kernel exists for CUDA; foreach is the fast path elsewhere.
-        impl = "fused" if device_type == "cuda" else "foreach"
+        # torch has fused AdamW kernels for CUDA and CPU (3-6x faster than
+        # foreach on CPU: one pass over each tensor instead of one per op).
+        impl = "fused" if device_type in ("cuda", "cpu") else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(param_groups(params, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)

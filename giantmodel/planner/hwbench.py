@@ -82,8 +82,8 @@ def matmul_flops(device: str, dtype: str, n: int, repeats: int = 3) -> float:
 
 
 def adamw_rate(device: str, numel: int, repeats: int = 3) -> float:
-    """Parameters per second that the project's AdamW (fused on CUDA, foreach
-    elsewhere) updates, over ``numel`` parameters in 8 tensors."""
+    """Parameters per second that the project's AdamW (``optim.impl: auto``: fused
+    on CUDA and CPU) updates, over ``numel`` parameters in 8 tensors."""
     import torch
 
     # imported when measuring (they pull in torch), so the CLI starts fast

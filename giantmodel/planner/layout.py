@@ -61,7 +61,7 @@ class Layout:
     """Per-block recompute modes (one per model layer); None: ``recompute`` everywhere."""
     optim_impl: str = "auto"
     """AdamW kernel (``optim.impl``): foreach allocates a temporary the size
-    of the optimizer's parameters in each step; fused (CUDA's auto) does not."""
+    of the optimizer's parameters in each step; fused (auto, on CUDA and CPU) does not."""
 
     def layer_modes(self, pp_rank: int) -> list[str]:
         """Recompute mode of each block that pipeline rank ``pp_rank`` runs."""

@@ -663,13 +663,11 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
 
 def optimizer_step_bytes(layout: Layout, hw, comp: dict[str, float], style: str) -> float:
     """What the optimizer step needs beyond the backward peak. Multi-tensor
-    (foreach) AdamW, the CPU default, builds sqrt(v) for all of a group's
-    parameters at once: 4 bytes per element it updates, allocated after
-    backward has freed the activations and autocast's weight copies. The
-    fused kernel (auto on CUDA) needs none."""
-    foreach = layout.optim_impl == "foreach" or (
-        layout.optim_impl == "auto" and hw is not None and not offloads_to_host(hw))
-    if not foreach:
+    (foreach) AdamW builds sqrt(v) for all of a group's parameters at once:
+    4 bytes per element it updates, allocated after backward has freed the
+    activations and autocast's weight copies. The fused kernel (``auto`` on
+    CUDA and CPU) needs none."""
+    if layout.optim_impl != "foreach":
         return 0.0
     temp = 4 * comp["optimizer"] / StateBytes.for_style(style).optim
     freed = (comp["working_weights"] + comp["activations"] + comp["embedding_head_activations"]

@@ -101,8 +101,11 @@ class Trainer:
 
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
-        backend, pg_options = backend_for(cfg.comm, self.device.type)
+        backend, pg_options = backend_for(cfg.comm, self.device.type, self.info.world_size)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
+        # a caller may have created the process group already (tests, notebooks)
+        self.backend = backend = (torch.distributed.get_backend()
+                                  if torch.distributed.is_initialized() else backend)
         self.run_lock = RunLock(self.run_dir)
         self._take_run_lock()
         if self.info.world_size > 1:
@@ -145,11 +148,12 @@ class Trainer:
             raise ConfigError(err)
 
     def _bucket_mb(self) -> float:
-        """The gradient bucket size for this run: on the giant backend,
+        """The gradient bucket size for this run: on the giant backend
+        (named, or chosen by ``comm.backend: auto`` on CPU),
         measured (or loaded from the tuning cache) for this machine, model
         and data-parallel group; otherwise ``parallel.bucket_mb``."""
         cfg = self.cfg
-        if cfg.comm.backend != "giant" or self.dims.dp * self.dims.cp == 1:
+        if self.backend != "giant" or self.dims.dp * self.dims.cp == 1:
             return cfg.parallel.bucket_mb
         choice = tune(self.dims.group("dp_cp"), cfg.comm, self.objective.model_name(),
                       self.objective.num_params())

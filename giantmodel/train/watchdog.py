@@ -7,9 +7,10 @@ transport error that says little. :class:`HangWatch` turns that into:
 - ``run.dir/hang-<rank>.txt`` for every rank that can still run Python: its
   host and pid, the last collective phase it entered (``step 3
   forward_backward``), the last collectives its process groups entered (op,
-  group and its ranks, sizes, and whether each completed: torch's flight
-  recorder, on by default for gloo and NCCL, ``TORCH_FR_BUFFER_SIZE``
-  entries), and the Python stack of each of its threads (faulthandler, so a
+  group and its ranks, sequence number, sizes: torch's flight recorder, on by
+  default for gloo and NCCL, ``TORCH_FR_BUFFER_SIZE`` entries, merged with
+  the giant backend's record of its shared-memory collectives), and the
+  Python stack of each of its threads (faulthandler, so a
   main thread blocked in C code is shown too);
 - an error naming the rank(s) that did not arrive: those whose count of
   entered phases is behind the others'.
@@ -38,6 +39,8 @@ import torch._C._distributed_c10d as torch_c10d
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from giantmodel.comm import record as giant_record
+
 _KEY = "giantmodel/hang"
 _POLL_S = 0.5
 _SHOW_COLLECTIVES = 12
@@ -65,22 +68,30 @@ def _describe(entry: dict) -> str:
 
 
 def last_collectives(limit: int) -> tuple[str, str | None]:
-    """The newest ``limit`` collectives this process entered, from torch's
-    flight recorder, as lines (group name, description and global ranks, the
-    group's sequence number, the op, input sizes and dtypes), and the newest
-    one alone: where a rank that is stuck inside a collective waits. Ranks
-    that disagree on a group's newest sequence number show the collective
-    some did not reach. (Gloo marks a timed-out collective finished, so
-    completion states are not shown.)"""
+    """The newest ``limit`` collectives this process entered, as lines (group
+    name, description and global ranks, the group's sequence number, the op,
+    input sizes and dtypes), and the newest one alone: where a rank that is
+    stuck inside a collective waits. Ranks that disagree on a group's newest
+    sequence number show the collective some did not reach.
+
+    Entries come from torch's flight recorder (gloo, NCCL) and from the giant
+    backend's own record (its shared-memory collectives), merged by time.
+    (Gloo marks a timed-out collective finished, so completion states are
+    not shown.)"""
     try:
         trace = json.loads(torch_c10d._dump_fr_trace_json(includeCollectives=True))
+        recorded, source = trace.get("entries", []), "torch flight recorder"
     except Exception as e:  # noqa: BLE001 - an older torch or a backend without a recorder
-        return f"last collectives entered: unknown (flight recorder: {e})\n", None
-    entries = trace.get("entries", [])[-limit:]
+        recorded, source = [], f"torch flight recorder unavailable: {e}"
+    giant = giant_record.entries()
+    if giant:
+        source += ", giant backend record"
+    merged = sorted(recorded + giant, key=lambda e: e.get("time_created_ns") or 0)
+    entries = merged[-limit:]
     if not entries:
-        return ("last collectives entered: none recorded (TORCH_FR_BUFFER_SIZE=0, or no "
-                "collective yet)\n", None)
-    lines = [f"last collectives entered ({len(entries)} newest first, torch flight recorder):"]
+        return (f"last collectives entered: none recorded ({source}; TORCH_FR_BUFFER_SIZE=0, "
+                "or no collective yet)\n", None)
+    lines = [f"last collectives entered ({len(entries)} newest first, {source}):"]
     lines += [f"  {_describe(e)} in {e.get('input_sizes')} {e.get('input_dtypes')}"
               for e in reversed(entries)]
     return "\n".join(lines) + "\n", _describe(entries[-1])
