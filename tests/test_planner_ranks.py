@@ -19,8 +19,9 @@ from giantmodel.planner.memory import DTYPE_BYTES, layer_activation_bytes
 from giantmodel.testing import run_ranks
 
 TP = 2
-TP_CASES = [(arch, "bf16", mode, False) for arch in ("llama", "gpt")
-            for mode in ("none", "selective", "full")]
+TP_CASES = [(arch, prec, mode, False) for arch in ("llama", "gpt")
+            for prec, mode in (("bf16", "none"), ("bf16", "selective"), ("bf16", "full"),
+                               ("fp32", "none"), ("fp32", "full"))]
 CP = 2
 CP_CASES = [("llama", "bf16", mode) for mode in ("none", "selective", "full")]
 
@@ -105,9 +106,10 @@ def test_model_states_match_parallel_code_exactly(rank_results):
             assert {k: got[k] for k in want} == want, (zero, tp, rank, got, want)
 
 
-def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> int:
+def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> tuple[int, int]:
     """Bytes the forward + loss leave alive on this rank (tp, or cp inputs
-    cut the way the engine cuts them)."""
+    cut the way the engine cuts them), and the aten ops forward, loss and
+    backward dispatch on DTensors."""
     from giantmodel.config.schema import JobConfig
     from giantmodel.objectives import LanguageModel
     from giantmodel.parallel.context import balanced_positions, shard_sequence
@@ -115,6 +117,7 @@ def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> i
     from giantmodel.parallel.parallelize import parallelize
     from giantmodel.parallel.strategy import NoDataParallel
     from giantmodel.parallel.tensor import vocab_parallel_cross_entropy
+    from giantmodel.planner.measure import DTensorOpCounter
 
     cfg = JobConfig(model=m, recompute=mode)
     objective = LanguageModel(m, data=cfg.data, train=cfg.train)
@@ -128,14 +131,15 @@ def _tp_forward_bytes(m: ModelConfig, prec: str, mode: str, sp: bool, dims) -> i
         rank = dims.coordinate("cp")
         ids, positions = shard_sequence(ids, dims.cp, rank), balanced_positions(T, dims.cp, rank)
     live = LiveStorageCounter()
-    with live, objective.loss_context():
-        with autocast(prec):
-            logits = model(ids, positions)
-        loss, _ = vocab_parallel_cross_entropy(logits, ids)
-    net = live.live_bytes()
-    with objective.loss_context():
-        loss.backward()
-    return net
+    with DTensorOpCounter() as ops:
+        with live, objective.loss_context():
+            with autocast(prec):
+                logits = model(ids, positions)
+            loss, _ = vocab_parallel_cross_entropy(logits, ids)
+        net = live.live_bytes()
+        with objective.loss_context():
+            loss.backward()
+    return net, ops.n
 
 
 def _tp_activations(world, cases):
@@ -148,8 +152,8 @@ def _tp_activations(world, cases):
     out = []
     for arch, prec, mode, sp in cases:
         m3, m1 = tiny(arch), dataclasses.replace(tiny(arch), num_layers=1)
-        out.append((_tp_forward_bytes(m3, prec, mode, sp, dims)
-                    - _tp_forward_bytes(m1, prec, mode, sp, dims)) / 2)
+        (b3, n3), (b1, n1) = (_tp_forward_bytes(m, prec, mode, sp, dims) for m in (m3, m1))
+        out.append(((b3 - b1) / 2, (n3 - n1) / 2))
     return out
 
 
@@ -163,8 +167,8 @@ def _cp_activations(world, cases):
     out = []
     for arch, prec, mode in cases:
         m3, m1 = tiny(arch), dataclasses.replace(tiny(arch), num_layers=1)
-        out.append((_tp_forward_bytes(m3, prec, mode, False, dims)
-                    - _tp_forward_bytes(m1, prec, mode, False, dims)) / 2)
+        out.append((_tp_forward_bytes(m3, prec, mode, False, dims)[0]
+                    - _tp_forward_bytes(m1, prec, mode, False, dims)[0]) / 2)
     return out
 
 
@@ -202,7 +206,7 @@ def test_tensor_parallel_layer_activations(rank_results):
         if mode == "none" and DTYPE_BYTES[prec] < 4:  # autocast's weight copies, per layer
             from giantmodel.planner.memory import param_table
             pred += param_table(m).layer_linear_numel(tp) * DTYPE_BYTES[prec]
-        measured = max(r[i] for r in per_rank)
+        measured = max(r[i][0] for r in per_rank)
         print("tp-activation", arch, prec, mode, "sp" if sp else "-", measured, pred,
               pred / measured - 1)
         if abs(pred / measured - 1) > 0.02:
@@ -210,3 +214,20 @@ def test_tensor_parallel_layer_activations(rank_results):
     assert not bad, bad
 
 
+
+
+def test_tensor_parallel_dtensor_ops_per_block(rank_results):
+    """The DTensor ops the planner charges per block (perf.dtensor_ops) are
+    the ones the project's tp=2 plan dispatches, forward and backward."""
+    from giantmodel.planner.perf import _block_tp_tensors, block_dtensor_ops
+
+    per_rank = [r[1] for r in rank_results if r[1] is not None]
+    bad = []
+    for i, (arch, prec, mode, sp) in enumerate(TP_CASES):
+        measured = max(r[i][1] for r in per_rank)
+        # one micro-batch: plus the op of each parameter's gradient
+        pred = block_dtensor_ops(tiny(arch), TP, sp, prec, mode) + _block_tp_tensors(tiny(arch))[1]
+        print("tp-dtensor-ops", arch, prec, mode, measured, pred)
+        if abs(pred / measured - 1) > 0.05:
+            bad.append((arch, prec, mode, sp, measured, pred))
+    assert not bad, bad

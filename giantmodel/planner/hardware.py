@@ -66,6 +66,11 @@ class HardwareProfile:
     adamw_rate: float | None = None
     """Parameters per second the optimizer updates; None: memory-bound, 32 bytes per parameter
     at ``memory_efficiency`` of the bandwidth (fused AdamW on a GPU). Measured by ``bench hw``."""
+    dtensor_op_s: float = 0.0
+    """Host seconds each aten op costs more when its arguments are DTensors (tensor and sequence
+    parallelism): sharding propagation and re-wrapping in Python. Measured by ``bench hw``; 0 in
+    the built-in GPU profiles, whose host dispatches ahead of the kernels (a layer's host time
+    is hidden while it is shorter than the layer's kernels)."""
     link_efficiency: float = 0.80
     """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
     latency_s: float = 10e-6

@@ -10,8 +10,17 @@ held before the engine was built. :func:`compare` then predicts both with
 the planner from the measured profile.
 
 Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py.
-Each rank has glibc serve large blocks by mmap, so a freed tensor leaves the
-RSS at once (otherwise RSS keeps every freed block and reads high).
+Memory and time are measured under two allocator settings, because one
+setting cannot serve both. For peak RSS each rank has glibc serve blocks of
+64 KiB and more by mmap, so a freed tensor leaves the RSS at once (otherwise
+RSS keeps every freed block and reads high); the engine is built and its
+first steps run so. But then every tensor a step allocates is a fresh
+mapping whose pages fault in one by one: on this host that made a step 37%
+slower than the same step in a plain process (1.04 s against 0.80 s, one
+rank of the check's model). Timed steps therefore run with the thresholds
+glibc itself settles on in a training loop (its dynamic mmap threshold
+rises to the largest freed block, up to 32 MiB), where freed tensors are
+reused from the heap as in any training run.
 """
 
 from __future__ import annotations
@@ -57,6 +66,20 @@ def use_mmap_for_large_blocks() -> None:
         pass
 
 
+def use_heap_for_blocks_below_32mib() -> None:
+    """glibc's steady state in a training loop: blocks under 32 MiB (its
+    DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) come from the heap and are reused,
+    the trim threshold twice that, as its dynamic adjustment would set."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 * MIB)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 * MIB)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _trim() -> None:
     """Hand freed heap pages back to the OS, so RSS shows what is live (with
     MALLOC_MMAP_THRESHOLD_ set, large tensors are mmapped and go back on free)."""
@@ -89,16 +112,13 @@ def _batches(cfg, step: int, data_rank: int, data_world: int) -> list[dict]:
             for i in range(0, per, mbs)]
 
 
-def time_layout(cfg, warmup: int, steps: int) -> dict:
-    """Warm-up then timed optimizer steps of ``cfg`` in this process group."""
+def _run_steps(cfg, steps: int, on_step=None) -> list[float]:
+    """Build ``cfg``'s engine in this process group and run ``steps`` optimizer
+    steps on synthetic batches; each step's seconds (slowest rank's)."""
     import torch
     import torch.distributed as dist
 
-
-    _trim()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    base = _status_kib("VmRSS") * 1024
-    _reset_peak_rss()
     dims = ParallelDims.from_config(cfg, world)
     if world > 1:
         dims.build_mesh("cpu")
@@ -109,7 +129,7 @@ def time_layout(cfg, warmup: int, steps: int) -> dict:
     precision = Precision(cfg.precision, "cpu")
     opt = engine.build_optimizer(cfg.optim)
     times = []
-    for step in range(warmup + steps):
+    for step in range(steps):
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
@@ -118,10 +138,7 @@ def time_layout(cfg, warmup: int, steps: int) -> dict:
         engine.clip_grad_norm_(cfg.optim.grad_clip)
         engine.optimizer_step(opt)
         engine.zero_grad(opt)
-        dt = time.perf_counter() - t0
-        if step >= warmup:
-            times.append(dt)
-    peak = _status_kib("VmHWM") * 1024
+        times.append(time.perf_counter() - t0)
     if world > 1:
         t = torch.tensor(times)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends when its slowest rank does
@@ -129,26 +146,47 @@ def time_layout(cfg, warmup: int, steps: int) -> dict:
         dims.destroy_mesh()
     del engine, opt
     gc.collect()
-    return {"step_s": statistics.median(times), "steps_s": times, "base_rss": base,
-            "peak_rss": peak}
+    return times
+
+
+def rss_layout(cfg, steps: int) -> dict:
+    """RSS before the engine is built and its peak over the build and
+    ``steps`` optimizer steps (call under :func:`use_mmap_for_large_blocks`)."""
+    _trim()
+    base = _status_kib("VmRSS") * 1024
+    _reset_peak_rss()
+    _run_steps(cfg, steps)
+    return {"base_rss": base, "peak_rss": _status_kib("VmHWM") * 1024}
+
+
+def time_layout(cfg, warmup: int, steps: int) -> dict:
+    """Median seconds of ``steps`` optimizer steps after ``warmup`` untimed
+    ones (call under :func:`use_heap_for_blocks_below_32mib`)."""
+    times = _run_steps(cfg, warmup + steps)[warmup:]
+    return {"step_s": statistics.median(times), "steps_s": times}
 
 
 def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
                warmup: int = 1, steps: int = 3, profile_kw: dict | None = None) -> dict:
-    """run_ranks target: the measured profile and every layout's timings on this rank."""
+    """run_ranks target: the measured profile and every layout's peak RSS and
+    step times on this rank. All RSS passes run first: a heap that timed
+    steps have grown would serve the RSS passes' blocks and keep them."""
     import torch
 
-
     torch.set_num_threads(1)
+    cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
     use_mmap_for_large_blocks()
+    # one step first: lazy initialisation (gloo buffers, kernels) is not part
+    # of any layout's memory
+    rss_layout(cfgs[0], 1)
+    rss = [rss_layout(cfg, warmup + steps) for cfg in cfgs]
+    # from here on the allocator a training (or `giantmodel bench hw`) process
+    # has in steady state
+    use_heap_for_blocks_below_32mib()
     prof = hwbench.measure("cpu", **(profile_kw or {}))
-    # one untimed step first: lazy initialisation (gloo buffers, kernels) is
-    # not part of any layout's memory or time
-    time_layout(load_config(overrides=list(base_overrides) + list(layouts[0])), 0, 1)
     out = []
-    for overrides in layouts:
-        cfg = load_config(overrides=list(base_overrides) + list(overrides))
-        res = time_layout(cfg, warmup, steps)
+    for overrides, cfg, mem in zip(layouts, cfgs, rss, strict=True):
+        res = time_layout(cfg, warmup, steps) | mem
         res["overrides"] = list(overrides)
         out.append(res)
     return {"rank": rank, "profile": prof, "layouts": out}

@@ -10,6 +10,10 @@ On the chosen device it measures:
   elementwise add as the share of it that elementwise kernels reach;
 * the optimizer: parameters per second the project's AdamW updates (on a
   CPU this is arithmetic-bound, far below what the bandwidth suggests);
+* the host time each aten op costs more when its arguments are DTensors
+  (tensor and sequence parallelism dispatch every block op on DTensors):
+  a column-parallel linear, forward and backward, on tiny tensors, as
+  DTensors and as plain tensors, over the number of DTensor ops it runs;
 * under ``torchrun`` (WORLD_SIZE > 1): the links, with the placement
   topology probe (giantmodel.distributed.linkprobe: point-to-point latency and
   bandwidth inside a host and between hosts), and the all-reduce bus
@@ -36,6 +40,7 @@ from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.distributed.linkprobe import probe_links
 from giantmodel.planner.hardware import GB, MEASURED_PROFILE_FILE
+from giantmodel.planner.measure import DTensorOpCounter
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -90,11 +95,23 @@ def adamw_rate(device: str, numel: int, repeats: int = 3) -> float:
     return numel / _best_time(opt.step, device, repeats)
 
 
+def _together() -> None:
+    """Start the next measurement on every rank at once (under torchrun or a
+    test's process group): ranks that share a host share its caches and
+    memory bandwidth in training, so each figure is taken with all of them
+    busy, not in the gaps a drifting peer leaves."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def matmul_curve(device: str, dtype: str, sizes: list[int], repeats: int = 3) -> list[list[float]]:
     """[[n, FLOP/s], ...] for each size, made non-decreasing (a larger GEMM
     can always be run as the smaller one's tiles)."""
     out, best = [], 0.0
     for n in sizes:
+        _together()
         best = max(best, matmul_flops(device, dtype, n, repeats))
         out.append([float(n), best])
     return out
@@ -123,6 +140,54 @@ def memory_bandwidth(device: str, nbytes: int, repeats: int = 3) -> tuple[float,
     copy = 2.0 * nbytes / _best_time(lambda: dst.copy_(src), device, repeats)
     add = 3.0 * nbytes / _best_time(lambda: torch.add(src, src, out=dst), device, repeats)
     return copy, add
+
+
+def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 20) -> float:
+    """Seconds each aten op costs more when its arguments are DTensors
+    (sharding propagation, unwrapping and rewrapping, in Python on the
+    host): a column-parallel ``F.linear`` forward and backward on tensors
+    too small for the kernels to matter, as DTensors over the whole group
+    and as plain tensors, the difference over the DTensor ops it dispatches
+    (counted). No op communicates. Without a process group one is made for
+    this process alone (a one-rank mesh runs the same dispatch path)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+        x, w, gy = (torch.randn(*shape, device=device) for shape in ((2, 4, 16), (8, 16), (2, 4, 8)))
+
+        def make(dtensor: bool):
+            def wrap(t, placement):
+                if not dtensor:
+                    return t
+                return DTensor.from_local(t, mesh, [placement], run_check=False)
+            xs = wrap(x, Replicate()).requires_grad_()
+            ws = wrap(w, Shard(0)).requires_grad_()
+            g = wrap(gy, Shard(2))
+
+            def step():
+                xs.grad = ws.grad = None
+                F.linear(xs, ws).backward(g)
+            return step
+
+        def many(fn):
+            return lambda: [fn() for _ in range(calls)]
+        plain, dt = make(False), make(True)
+        with DTensorOpCounter() as counter:
+            dt()
+        ops = counter.n
+        extra = _best_time(many(dt), device, repeats) - _best_time(many(plain), device, repeats)
+        return max(0.0, extra / calls / max(1, ops))
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) -> dict | None:
@@ -155,8 +220,12 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             attn_seq: int | None = None) -> dict:
     """A profile mapping (fields of HardwareProfile) for ``device``."""
     import torch
+    import torch.distributed as dist
 
     gpu = device.startswith("cuda")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        # under torchrun: every rank measures at once (_together)
+        dist.init_process_group("nccl" if gpu else "gloo")
     sizes = sizes or ([256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024])
     nbytes = (mem_mb or (1024 if gpu else 256)) * 2 ** 20
     curves, peaks = {}, {}
@@ -167,11 +236,15 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             continue
         peaks[dt] = curves[dt][-1][1]
     main = "bf16" if gpu and "bf16" in peaks else "fp32"
+    _together()
     attn = attention_flops(device, main, attn_seq or (4096 if gpu else 512))
+    _together()
     copy, add = memory_bandwidth(device, nbytes)
     # as many parameters as the copy test's bytes: the states (16 B each) then
     # outgrow the caches, as a model's do
+    _together()
     adam = adamw_rate(device, nbytes // 4)
+    dtensor_op = dtensor_op_overhead(device)
     if gpu:
         props = torch.cuda.get_device_properties(device)
         capacity, gpn = float(props.total_memory), torch.cuda.device_count()
@@ -185,7 +258,7 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             "matmul_efficiency": 1.0, "matmul_curve": curves,
             "attention_efficiency": min(1.0, attn / peaks[main]),
             "memory_efficiency": min(1.0, add / copy),
-            "link_efficiency": 0.8, "adamw_rate": adam,
+            "link_efficiency": 0.8, "adamw_rate": adam, "dtensor_op_s": dtensor_op,
             "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
             "host_memory_bytes": capacity}
     links = link_bandwidth(device)
@@ -274,6 +347,7 @@ def main(args) -> int:
     print(f"memory bandwidth {prof['memory_bw'] / GB:8.1f} GB/s (copy), elementwise "
           f"{prof['memory_efficiency'] * 100:.0f}% of it; AdamW {prof['adamw_rate'] / 1e6:.0f} "
           "M params/s")
+    print(f"DTensor dispatch {prof['dtensor_op_s'] * 1e6:.0f} us per op more than a plain tensor's")
     if "latency_s" in prof:
         print(f"links (point to point) {prof['intra_bw'] / GB:.2f} GB/s in a host, "
               f"{prof['inter_bw'] / GB:.2f} GB/s between hosts, latency "

@@ -9,12 +9,14 @@ Two counters, both deduplicating by storage:
   that is still alive afterwards (a dispatch mode with weak storage
   references). This is what the allocator would still hold, recompute or not.
 
-The planner's activation model is checked against both.
+The planner's activation model is checked against both; its DTensor
+dispatch time counts the ops :class:`DTensorOpCounter` sees.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -87,3 +89,17 @@ class SavedTensorCounter:
     @property
     def bytes(self) -> int:
         return sum(self._seen.values())
+
+
+class DTensorOpCounter(TorchDispatchMode):
+    """Counts the aten ops run under it with a DTensor among their
+    arguments (``n``): what tensor and sequence parallelism dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(t, DTensor) for t in tree_flatten((args, kwargs))[0]):
+            self.n += 1
+        return func(*args, **(kwargs or {}))

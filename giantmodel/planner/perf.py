@@ -231,6 +231,76 @@ def _adapter_gemm_time(m, layout: Layout, hw, tokens: float) -> float:
                for a, b in zip(shapes[::2], shapes[1::2]))
 
 
+# DTensor-dispatched aten ops, counted on this engine's TP plan
+# (giantmodel.parallel.tensor) with planner.measure.DTensorOpCounter, torch
+# 2.13 (tests/test_planner_ranks.py checks them): F.linear on a [B, T, k]
+# DTensor runs view, t, mm, _unsafe_view forward and t x4, mm x2, view x2
+# backward (12); a bias 10 more (addmm, expand, its gradient's sum, views).
+# The input gradients of linears sharing an input (wq wk wv; w1 w3) are
+# partial DTensors summed: 2 adds per attention, 1 per SwiGLU. Autocast casts
+# each parameter and its gradient (3 ops) and each summed gradient (1).
+# Recompute (full or selective) re-runs the forward: 4 ops per linear and 4
+# per parameter (6 under autocast). Under sp an RMSNorm on the sequence-
+# sharded residual is 24 ops (pow, mean, add, rsqrt, mul x2, gradients), a
+# LayerNorm about 4, and the two residual adds run on DTensors (4 with their
+# gradients). Every DTensor parameter's gradient costs one op per micro-batch
+# (detached when created, added to after).
+LINEAR_DTENSOR_OPS = 12
+BIAS_DTENSOR_OPS = 10
+NORM_DTENSOR_OPS = {"llama": 24, "gpt": 4}
+
+
+def _block_tp_tensors(m) -> tuple[int, int, int]:
+    """(linears, their parameters, partial input gradients summed) of one block."""
+    if m.arch == "llama":
+        return 7, 7, 3
+    return 4, 8, 2
+
+
+def block_dtensor_ops(m, tp: int, sp: bool, precision: str, mode: str) -> float:
+    """DTensor ops of one block and micro-batch, forward + backward (and the
+    forward re-run under recompute), without the per-parameter gradient op
+    (:func:`dtensor_params`); 0 at tp 1."""
+    if tp <= 1:
+        return 0.0
+    linears, params, sums = _block_tp_tensors(m)
+    autocast = precision != "fp32"
+    ops = linears * LINEAR_DTENSOR_OPS + (params - linears) * BIAS_DTENSOR_OPS + sums
+    if autocast:
+        ops += 3 * params + sums
+    if mode in ("full", "selective"):
+        ops += 4 * linears + (6 if autocast else 4) * params
+    if sp:
+        ops += 2 * NORM_DTENSOR_OPS.get(m.arch, NORM_DTENSOR_OPS["llama"]) + 4
+    return float(ops)
+
+
+def dtensor_ops(m, layout: Layout) -> tuple[float, float]:
+    """(embedding, head + final norm + loss) DTensor ops of one micro-batch,
+    forward + backward, on a tensor-parallel rank; 0 at tp 1."""
+    if layout.tp <= 1:
+        return 0.0, 0.0
+    head = LINEAR_DTENSOR_OPS + 4   # output head; log-softmax, nll loss and their backward
+    if layout.sp:
+        head += NORM_DTENSOR_OPS.get(m.arch, NORM_DTENSOR_OPS["llama"])
+    return 2.0, float(head)   # embedding lookup and its backward
+
+
+def dtensor_params(m, layout: Layout, pp_rank: int) -> int:
+    """DTensor parameters on one tensor-parallel pipeline rank: every block
+    linear (and norm, under sp), the embedding and the head where they live."""
+    if layout.tp <= 1:
+        return 0
+    per_block = _block_tp_tensors(m)[1]
+    if layout.sp:
+        per_block += 2 * (1 if m.arch == "llama" else 2)
+    stages = layout.rank_stages(pp_rank)
+    n = sum(layout.layer_mode_counts(pp_rank).values()) * per_block
+    n += 1 if 0 in stages else 0
+    n += 1 + (1 if layout.sp else 0) if layout.num_stages - 1 in stages else 0
+    return n
+
+
 def edge_fractions(layout: Layout) -> tuple[float, float]:
     """Forward share of the embedding's and of the head's time: a frozen
     (LoRA) embedding has no backward, a frozen head no weight gradient."""
@@ -337,25 +407,43 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     hop = p2p_time(hw, cluster, tokens * m.hidden_size * 4 / (layout.tp if layout.sp else 1),
                    layout.world // layout.pp)
+    dt_emb, dt_head = dtensor_ops(m, layout)
+    dt_block = {mode: block_dtensor_ops(m, layout.tp, layout.sp, layout.precision, mode)
+                for mode in times}
     out = []
     for r in range(layout.pp):
         stages = layout.rank_stages(r)
         f = b = 0.0
+        ops = 0.0
         for mode, n in layout.layer_mode_counts(r).items():
             f += n * times[mode].fwd
             b += n * (times[mode].bwd + times[mode].recompute)
+            ops += n * dt_block[mode]
         emb_f, head_f = edge_fractions(layout)
         if 0 in stages:
             f += emb * emb_f
             b += emb * (1 - emb_f)
+            ops += dt_emb
         if layout.num_stages - 1 in stages:
             f += head * head_f
             b += head * (1 - head_f)
+            ops += dt_head
         if layout.pp > 1:
             f += hop * len(stages)
             b += hop * len(stages)
+        f, b = _with_host_time(hw, f, b, ops * hw.dtensor_op_s)
         out.append(StageTime(f, b))
     return out
+
+
+def _with_host_time(hw, fwd: float, bwd: float, host: float) -> tuple[float, float]:
+    """Add the host's dispatch time (a third in forward, as a linear's ops
+    are): on a CPU 'device' the same core runs it and the kernels; a GPU's
+    host runs ahead, so it costs only where it outlasts the kernels."""
+    host_f, host_b = host / 3, host * 2 / 3
+    if offloads_to_host(hw):
+        return max(fwd, host_f), max(bwd, host_b)
+    return fwd + host_f, bwd + host_b
 
 
 def _local_params(m, layout: Layout) -> float:
@@ -442,6 +530,9 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
         act_bytes = 2 * per * max(layout.stage_layers)
         pipe += m_count * max(0.0, act_bytes / hw.host_bw - 0.7 * t_mb)
     dp_exposed, opt = dp_times(m, layout, hw, cluster, slow.bwd, t_mb)
+    # one op per DTensor parameter's gradient and micro-batch
+    accumulate = m_count * max(dtensor_params(m, layout, r) for r in range(layout.pp))
+    opt += accumulate * hw.dtensor_op_s
     step = pipe + dp_exposed + opt
     tokens = global_batch * layout.seq_len
     flops = model_flops_per_step(m, global_batch, layout.seq_len)
