@@ -35,6 +35,8 @@ from pathlib import Path
 
 import yaml
 
+from giantmodel.comm import backend_for
+from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
@@ -190,6 +192,17 @@ def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 20) -> float
             dist.destroy_process_group()
 
 
+def _init_default_group(device: str) -> None:
+    """The process group a training job of this size would get (``comm.backend:
+    auto``: NCCL on CUDA, the giant backend on CPU), so the link figures are
+    the ones training sees."""
+    import torch.distributed as dist
+
+    backend, options = backend_for(CommConfig(), device.split(":")[0],
+                                   int(os.environ.get("WORLD_SIZE", "1")))
+    dist.init_process_group(backend, pg_options=options)
+
+
 def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) -> dict | None:
     """All-reduce bus bandwidth and per-step latency of the default group when
     run under torchrun; None in a single process."""
@@ -199,7 +212,7 @@ def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) ->
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        _init_default_group(device)
     if dist.get_world_size() <= 1:
         return None
     n = dist.get_world_size()
@@ -225,7 +238,7 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
     gpu = device.startswith("cuda")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         # under torchrun: every rank measures at once (_together)
-        dist.init_process_group("nccl" if gpu else "gloo")
+        _init_default_group(device)
     sizes = sizes or ([256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024])
     nbytes = (mem_mb or (1024 if gpu else 256)) * 2 ** 20
     curves, peaks = {}, {}
