@@ -321,6 +321,9 @@ def test_backend_for_and_registration():
     # the giant backend; CUDA gets NCCL at any size
     assert backend_for(CommConfig(), "cpu") == ("gloo", None)
     assert backend_for(CommConfig(), "cpu", world_size=4) == ("giant", GiantOptions())
+    assert backend_for(CommConfig(), "cpu", 4, local_world_size=4) == ("giant", GiantOptions())
+    # across hosts gloo: no hierarchical all-gather / reduce-scatter for FSDP2
+    assert backend_for(CommConfig(), "cpu", 4, local_world_size=2) == ("gloo", None)
     assert backend_for(CommConfig(), "cuda", world_size=4) == ("nccl", None)
     assert backend_for(CommConfig(backend="gloo"), "cpu", world_size=4) == ("gloo", None)
     with pytest.raises(ConfigError):

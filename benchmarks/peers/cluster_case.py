@@ -2,11 +2,12 @@
 namespaces, tc-shaped links), dp4 at ZeRO 1/2/3, at 1 Gbit/s and 200 Mbit/s
 between hosts. Ranks 0,1 on host0 and 2,3 on host1, started srun-style.
 
-Systems: giantmodel at its defaults (on CPU, the giant backend,
-hierarchical across the emulated hosts: it finds them by host name),
+Systems: giantmodel at its defaults (across hosts ``comm.backend: auto``
+picks gloo), giantmodel with the giant
+backend (hierarchical across the emulated hosts: it finds them by host name),
 DeepSpeed at its defaults, and DeepSpeed with its best documented settings
 (``overlap_comm``, ``contiguous_gradients``, 50M-element buckets). Ratios are
-giantmodel over each DeepSpeed variant, median of the alternating reps.
+giantmodel-giant over each DeepSpeed variant, median of the alternating reps.
 
     PYTHONPATH=. python benchmarks/peers/cluster_case.py --rates 1000,200 --json c.json
 
@@ -37,7 +38,7 @@ HOSTS = [[0, 1], [2, 3]]
 def systems(ds_python: Path) -> dict[str, list]:
     gm = [sys.executable, HERE / "gm_side.py"]
     ds = [ds_python, HERE / "ds_side.py"]
-    return {"giantmodel": gm,
+    return {"giantmodel": gm, "giantmodel-giant": gm + ["--set", "comm.backend=giant"],
             "deepspeed": ds, "deepspeed-tuned": ds + ["--ds-config", json.dumps(DS_TUNED)]}
 
 
@@ -92,22 +93,29 @@ def run(ds_python: Path, rates: list[int], stages: list[int], reps: int, steps: 
 
 def _ratios(runs: dict) -> dict:
     out = {}
+    gm = runs["giantmodel-giant"]
     for peer in ("deepspeed", "deepspeed-tuned"):
-        pairs = [(g, d) for g, d in zip(runs["giantmodel"], runs[peer])
-                 if "error" not in g and "error" not in d]
+        pairs = [(g, d) for g, d in zip(gm, runs[peer]) if "error" not in g and "error" not in d]
         if pairs:
-            out[f"giantmodel/{peer}"] = statistics.median(
+            out[f"giant/{peer}"] = statistics.median(
                 g["tokens_per_sec"] / d["tokens_per_sec"] for g, d in pairs)
+    base = [(g, d) for g, d in zip(runs["giantmodel"], runs["deepspeed"])
+            if "error" not in g and "error" not in d]
+    if base:
+        out["default/deepspeed"] = statistics.median(
+            g["tokens_per_sec"] / d["tokens_per_sec"] for g, d in base)
     return out
 
 
 def format_table(result: dict) -> str:
-    lines = ["| link | case | giantmodel / DS default | giantmodel / DS tuned |",
-             "|---|---|---|---|"]
+    lines = ["| link | case | gm default / DS | gm giant / DS default | gm giant / DS tuned |",
+             "|---|---|---|---|---|"]
     for r in result.get("results", []):
         q = {k: f"{v:.2f}x" for k, v in r["ratios"].items()}
-        cells = [q.get(k, "error") for k in ("giantmodel/deepspeed", "giantmodel/deepspeed-tuned")]
-        lines.append(f"| {r['rate_mbit']} Mbit/s | {r['case']} | **{cells[0]}** | **{cells[1]}** |")
+        cells = [q.get(k, "error") for k in
+                 ("default/deepspeed", "giant/deepspeed", "giant/deepspeed-tuned")]
+        lines.append(f"| {r['rate_mbit']} Mbit/s | {r['case']} | {cells[0]} | "
+                     f"**{cells[1]}** | **{cells[2]}** |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ class CommConfig:
     backend: str = "auto"
     """Process-group backend: "gloo", "nccl", "giant" (shared-memory core with
     gloo/NCCL underneath) or "auto" (nccl when training on CUDA; on CPU, giant
-    for several ranks and gloo for one). Tuning keys below need "giant" named."""
+    for several ranks on one host, else gloo). Tuning keys below need "giant" named."""
 
     chunk_kb: int = 0
     """Bytes (KiB) of each rank's shared-memory buffer; collectives are

@@ -198,8 +198,9 @@ def _init_default_group(device: str) -> None:
     the ones training sees."""
     import torch.distributed as dist
 
-    backend, options = backend_for(CommConfig(), device.split(":")[0],
-                                   int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend, options = backend_for(CommConfig(), device.split(":")[0], world,
+                                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dist.init_process_group(backend, pg_options=options)
 
 
