@@ -141,6 +141,13 @@ def _check_async_and_coalesced(rank, world, group, ranks):
             dist.all_gather_single(o, i, group=group)
     cm.wait()
     assert torch.equal(outs[1], torch.tensor(ranks, dtype=torch.float32).repeat_interleave(3))
+    # A synchronous call runs inline; its Work still reports done and result.
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    s = torch.full((4,), float(rank))
+    wk = group.allreduce([s], opts)
+    assert wk.wait() and wk.is_completed() and torch.all(s == sum(ranks))
+    assert wk.get_future().value()[0] is s
     p = torch.full((9,), float(rank + 1))
     dist.all_reduce(p, op=dist._make_nccl_premul_sum(0.5), group=group)  # FSDP2 uses it
     assert torch.all(p == 0.5 * sum(r + 1 for r in ranks))

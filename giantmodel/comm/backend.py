@@ -23,7 +23,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.autograd import profiler as autograd_profiler
 from torch.distributed import ReduceOp
 from torch.futures import Future
@@ -39,24 +38,50 @@ from giantmodel.comm.topology import Topology
 
 log = logging.getLogger(__name__)
 
-_OPS = {ReduceOp.RedOpType.SUM: OP_SUM, ReduceOp.RedOpType.AVG: OP_AVG,
-        ReduceOp.RedOpType.MAX: OP_MAX, ReduceOp.RedOpType.MIN: OP_MIN}
+# Keyed by the enum's integer: hashing and comparing pybind enums costs
+# microseconds, and a small all-reduce's whole budget is a few of them.
+_OPS = {int(ReduceOp.RedOpType.SUM): OP_SUM, int(ReduceOp.RedOpType.AVG): OP_AVG,
+        int(ReduceOp.RedOpType.MAX): OP_MAX, int(ReduceOp.RedOpType.MIN): OP_MIN}
+_PREMUL_SUM = int(ReduceOp.RedOpType.PREMUL_SUM)
 
 
 def _op_and_scale(red, world: int) -> tuple[int | None, float]:
     """(core op code, scale) for a ReduceOp, or (None, 0) when not handled."""
-    kind = getattr(red, "op", red)
-    if kind == ReduceOp.RedOpType.PREMUL_SUM:
+    kind = int(getattr(red, "op", red))
+    if kind == _PREMUL_SUM:
         factor = getattr(red, "factor", None)
         return (OP_AVG, float(factor)) if isinstance(factor, float) else (None, 0.0)
     code = _OPS.get(kind)
     return code, (1.0 / world if code == OP_AVG else 1.0)
 
 
+class _DoneWork(dist.Work):
+    """The Work of a collective that already ran in the caller. Cheaper to
+    make than a Future-backed Work (a third of a small all-reduce's Python
+    cost); the Future is made only if someone asks for it."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self):
+        return self.value
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_result(self.value)
+        return fut
+
+
 def _done(value) -> dist.Work:
-    fut: Future = Future()
-    fut.set_result(value)
-    return _create_work_from_future(fut)
+    work = _DoneWork()
+    work.value = value
+    return work
 
 
 class _FutureWork(dist.Work):
@@ -89,6 +114,7 @@ class GiantProcessGroup(dist.ProcessGroup):
                  global_ranks: list[int] | None = None,
                  settings: GiantOptions | None = None, group_name: str = "?"):
         super().__init__(rank, size)
+        self._rank, self._world = rank, size  # read per call; pybind getters cost
         self._settings = settings or GiantOptions()
         self._group_name, self._seq = group_name, 0
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
@@ -194,7 +220,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             return False
         dtypes = self._shm.reducible if reduces else DTYPE_CODES
         for t in tensors:
-            if t.device.type != "cpu" or t.dtype not in dtypes or t.is_sparse:
+            if not t.is_cpu or t.dtype not in dtypes or t.is_sparse:
                 return False
             if op_code == OP_AVG and not t.is_floating_point():
                 return False
@@ -211,12 +237,13 @@ class GiantProcessGroup(dist.ProcessGroup):
                 priority: int = 0) -> dist.Work:
         self._seq += 1
         record.note(self._group_name, self._seq, op, tensors)
-        job = _profiled(job)
         if not getattr(opts, "asyncOp", True) and self._coalescing is None:
-            result = self._engine.run_inline(job)
+            # inline: the profiler's state cannot change before it runs
+            result = self._engine.run_inline(
+                _profiled(job) if autograd_profiler._is_profiler_enabled else job)
             if result is not NotImplemented:
                 return _done(result)
-        work = _FutureWork(self._engine.submit(job, priority))
+        work = _FutureWork(self._engine.submit(_profiled(job), priority))
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -240,7 +267,7 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None, priority: int = 0):
         opts = opts if isinstance(opts, dist.AllreduceOptions) else _ar_opts(opts)
-        op, scale = _op_and_scale(opts.reduceOp, self.size())
+        op, scale = _op_and_scale(opts.reduceOp, self._world)
         if self._cpu_reduce_ok(tensors, op):
             return self._cuda_allreduce(tensors, opts, op, scale)
         if not self._fast(tensors, op, flat_only=not self._use_hier):
@@ -284,26 +311,26 @@ class GiantProcessGroup(dist.ProcessGroup):
         return self.allreduce(list(tensors), ar)
 
     def reduce(self, tensors, opts=None):
-        op, scale = _op_and_scale(opts.reduceOp, self.size())
+        op, scale = _op_and_scale(opts.reduceOp, self._world)
         if not self._fast(tensors, op) or len(tensors) != 1:
             return self._delegated(self._inner(tensors).reduce(tensors, opts))
         t, root = tensors[0], opts.rootRank
 
         def job():
             src = t.contiguous()
-            out = src if self.rank() == root else torch.empty_like(src)
+            out = src if self._rank == root else torch.empty_like(src)
             if src.numel():
                 self._shm.all_reduce_scaled(src, out, op, scale)
-            if self.rank() == root and src is not t:
+            if self._rank == root and src is not t:
                 t.copy_(src)
             return tensors
         return self._launch("reduce", tensors, job, opts)
 
     # ---- reduce-scatter / all-gather -----------------------------------
     def reduce_scatter_single(self, output, input, opts=None):
-        op, scale = _op_and_scale(opts.reduceOp, self.size())
+        op, scale = _op_and_scale(opts.reduceOp, self._world)
         ok = (self._fast([input, output], op) and input.dtype == output.dtype
-              and input.numel() == output.numel() * self.size())
+              and input.numel() == output.numel() * self._world)
         if not ok:
             return self._delegated(self._inner([input])._reduce_scatter_base(output, input, opts))
 
@@ -326,7 +353,7 @@ class GiantProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
-        op, _ = _op_and_scale(opts.reduceOp, self.size())
+        op, _ = _op_and_scale(opts.reduceOp, self._world)
         if len(output_tensors) != 1 or not self._fast(output_tensors + list(input_lists[0]), op):
             return self._delegated(self._inner(output_tensors).reduce_scatter(
                 output_tensors, input_lists, opts))
@@ -335,7 +362,7 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         ok = (self._fast([input, output], reduces=False) and input.dtype == output.dtype
-              and output.numel() == input.numel() * self.size())
+              and output.numel() == input.numel() * self._world)
         if not ok:
             return self._delegated(self._inner([input])._allgather_base(output, input, opts))
 
@@ -364,7 +391,7 @@ class GiantProcessGroup(dist.ProcessGroup):
         inp, outs = input_list[0], output_lists[0]
 
         def job():
-            flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
+            flat = torch.empty(self._world * inp.numel(), dtype=inp.dtype)
             if inp.numel():
                 self._shm.all_gather(inp.contiguous(), flat)
             for r, o in enumerate(outs):
@@ -395,7 +422,7 @@ class GiantProcessGroup(dist.ProcessGroup):
                           opts=None):
         even = not output_split_sizes and not input_split_sizes
         ok = (even and self._fast([input, output], reduces=False) and input.dtype == output.dtype
-              and input.numel() == output.numel() and input.numel() % self.size() == 0)
+              and input.numel() == output.numel() and input.numel() % self._world == 0)
         if not ok:
             return self._delegated(self._inner([input]).alltoall_base(
                 output, input, output_split_sizes, input_split_sizes, opts))

@@ -39,7 +39,12 @@ class CollectiveEngine:
         self.name = name
         self._sched = sched  # priority mode when set
         self._leader = leader
-        self._cv = threading.Condition()
+        # Two conditions over one lock: the engine thread waits for work on
+        # ``_cv``, drain() waits for idleness on ``_idle``. With one condition
+        # every inline collective woke the sleeping engine thread for nothing.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
         self._fifo: deque[tuple[int, Job, Future]] = deque()
         self._heap: list[tuple[int, int, Job, Future]] = []
         self._by_id: dict[int, tuple[Job, Future]] = {}
@@ -71,9 +76,9 @@ class CollectiveEngine:
         FIFO mode only: with the queue empty, running now is the order every
         other rank uses too. It saves a thread hand-off on small messages.
         """
-        if self.priority_mode:
+        if self._sched is not None:
             return NotImplemented
-        with self._cv:
+        with self._lock:
             if self._in_flight:
                 return NotImplemented
             self._in_flight += 1
@@ -85,9 +90,10 @@ class CollectiveEngine:
             self._failure = self._failure or exc
             raise
         finally:
-            with self._cv:
+            with self._lock:
                 self._in_flight -= 1
-                self._cv.notify_all()
+                if not self._in_flight:
+                    self._idle.notify_all()
 
     def submit(self, job: Job, priority: int = 0) -> Future:
         fut: Future = Future()
@@ -151,9 +157,10 @@ class CollectiveEngine:
                 self._failure = self._failure or exc
                 fut.set_exception(exc)
             finally:
-                with self._cv:
+                with self._lock:
                     self._in_flight -= 1
-                    self._cv.notify_all()
+                    if not self._in_flight:
+                        self._idle.notify_all()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
@@ -165,21 +172,23 @@ class CollectiveEngine:
             self._by_id.clear()
             self._in_flight = 0
             self._cv.notify_all()
+            self._idle.notify_all()
         for f in pending:
             f.set_exception(exc)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job finished; False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self._in_flight == 0, timeout)
+        with self._lock:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop the thread; True when it has exited (so shared memory may be
         unmapped). A thread blocked in a schedule wait must be released by
         cancelling the segment first."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._cv.notify_all()
+            self._idle.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             return not self._thread.is_alive()
