@@ -14,8 +14,9 @@
 * zero 2: gradients are not kept whole. Every micro-batch's backward copies
   each finished gradient into its bucket's scratch buffer and frees it; a
   full bucket is reduce-scattered and its owner's chunk added to a
-  persistent shard, then the scratch is dropped. Only 1/n of the gradients
-  (plus buckets in flight) live between micro-batches.
+  persistent shard, then the scratch is reused by a later bucket. Only 1/n
+  of the gradients, the buckets in flight and a few idle scratch buffers
+  live between micro-batches.
 
 Buckets are launched strictly in index order on every rank (a ready bucket
 waits for its predecessors), which keeps the collective sequence identical
@@ -40,6 +41,10 @@ from giantmodel.core.tensors import local_tensor, unique_params
 from giantmodel.parallel.collectives import all_gather_in_place, all_reduce_sum_, reduce_scatter_in_place
 from giantmodel.parallel.flat_buffer import Bucket, FlatLayout, Slot
 from giantmodel.parallel.grads import replication
+
+# Zero 2 keeps at most this many idle scratch buffers (one bucket each)
+# between uses: enough for the buckets that overlap in backward.
+_SPARE_SCRATCH = 4
 
 
 def _as_param_view(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -74,7 +79,12 @@ class _Flat:
                 self.shard_offset.append(offset)
                 offset += b.chunk
             self.shard = torch.zeros(offset, dtype=self.dtype, device=self.device)
+        # zero 2: each bucket's scratch while it fills and reduces (a view of
+        # a buffer of the largest bucket's size), and idle buffers to reuse.
         self.scratch: dict[int, torch.Tensor] = {}
+        self.scratch_base: dict[int, torch.Tensor] = {}
+        self.spare: list[torch.Tensor] = []
+        self.scratch_numel = max((b.size for b in self.layout.buckets), default=0)
 
     def own(self, slot: Slot) -> bool:
         return slot.owner == self.rank
@@ -204,10 +214,18 @@ class OwnZero:
         p.grad = None
 
     def _scratch(self, flat: _Flat, bucket: Bucket) -> torch.Tensor:
-        if bucket.index not in flat.scratch:
-            flat.scratch[bucket.index] = torch.zeros(bucket.size, dtype=flat.dtype,
-                                                     device=flat.device)
-        return flat.scratch[bucket.index]
+        """The bucket's zeroed scratch. Buffers of buckets whose reduce has
+        finished are reused while backward still runs: only the buckets in
+        flight hold memory, and reused pages are already mapped (fresh ones
+        page-fault: that made a zero-2 step 25% slower than zero 1 on CPU)."""
+        buf = flat.scratch.get(bucket.index)
+        if buf is None:
+            self._settle_finished()
+            base = flat.spare.pop() if flat.spare else torch.empty(
+                flat.scratch_numel, dtype=flat.dtype, device=flat.device)
+            buf = base[:bucket.size].zero_()
+            flat.scratch[bucket.index], flat.scratch_base[bucket.index] = buf, base
+        return buf
 
     def _launch(self, flat: _Flat, bucket: Bucket) -> None:
         if self.zero == 2:
@@ -237,17 +255,33 @@ class OwnZero:
 
     @torch.no_grad()
     def _drain(self) -> None:
-        """Wait for the launched buckets; zero 2 adds each owner chunk to the
-        shard and frees the bucket's scratch."""
+        """Wait for every launched bucket and settle it."""
         for work, flat, bucket in self._inflight:
-            if work is not None:
-                work.wait()
-            if self.zero == 2:
-                chunk = flat.layout.chunk_view(flat.scratch.pop(bucket.index), bucket, self.rank,
-                                               base=bucket.start)
-                start = flat.shard_offset[bucket.index]
-                flat.shard[start:start + bucket.chunk].add_(chunk)
+            self._settle(work, flat, bucket)
         self._inflight = []
+
+    def _settle_finished(self) -> None:
+        """Settle the launched buckets whose collective has finished, oldest
+        first (settling in launch order keeps every rank's shard the same)."""
+        while self._inflight and (self._inflight[0][0] is None
+                                  or self._inflight[0][0].is_completed()):
+            self._settle(*self._inflight.pop(0))
+
+    @torch.no_grad()
+    def _settle(self, work, flat: _Flat, bucket: Bucket) -> None:
+        """Wait for one bucket; zero 2 adds its owner chunk to the shard and
+        keeps the scratch buffer for reuse."""
+        if work is not None:
+            work.wait()
+        if self.zero != 2:
+            return
+        chunk = flat.layout.chunk_view(flat.scratch.pop(bucket.index), bucket, self.rank,
+                                       base=bucket.start)
+        start = flat.shard_offset[bucket.index]
+        flat.shard[start:start + bucket.chunk].add_(chunk)
+        base = flat.scratch_base.pop(bucket.index)
+        if len(flat.spare) < _SPARE_SCRATCH:
+            flat.spare.append(base)
 
     def _keep_owned_grads(self) -> None:
         """Owned gradients point at their reduced values; the rest are
