@@ -41,8 +41,8 @@ PROFILE = {"sizes": [32, 64, 128, 256, 512, 768], "mem_mb": 64, "attn_seq": 256}
 def run(model=MODEL, train=TRAIN, layouts=LAYOUTS, warmup=1, steps=3, profile=PROFILE):
     base = list(model) + list(train)
     per_rank = run_ranks(check_rank, 2, base, layouts, warmup, steps, profile, timeout=900,
-                         env=HOST_CHECK_ENV)
-    return compare(per_rank, base), per_rank[0]["profile"]
+                         backend=None, env=HOST_CHECK_ENV)
+    return compare(per_rank, base), per_rank[0]["profile"] | {"backend": per_rank[0]["backend"]}
 
 
 def main(argv=None) -> int:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
           " ".join(f"{int(n)}:{f / 1e9:.1f}" for n, f in prof["matmul_curve"]["fp32"]),
           f"| attention {prof['attention_efficiency']:.2f} of peak | copy "
           f"{prof['memory_bw'] / 1e9:.1f} GB/s, elementwise {prof['memory_efficiency']:.2f} | "
-          f"all-reduce {prof['intra_bw'] / 1e9:.2f} GB/s, latency {prof.get('latency_s', 0) * 1e6:.0f} us")
+          f"all-reduce ({prof['backend']}) {prof['intra_bw'] / 1e9:.2f} GB/s, latency {prof.get('latency_s', 0) * 1e6:.0f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "profile": prof, "load_before": load}, f, indent=2)

@@ -166,15 +166,32 @@ def time_layout(cfg, warmup: int, steps: int) -> dict:
     return {"step_s": statistics.median(times), "steps_s": times}
 
 
+def _init_group(cfg, rank: int, world: int) -> None:
+    """The default process group on the backend training would get for
+    ``cfg`` on this host (``comm.backend: auto`` is the giant backend for
+    ranks on one host), so the profile and the steps measure that backend."""
+    import torch.distributed as dist
+
+    from giantmodel.comm import backend_for
+
+    name, opts = backend_for(cfg.comm, "cpu", world, world)
+    dist.init_process_group(name, rank=rank, world_size=world, pg_options=opts)
+
+
 def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
                warmup: int = 1, steps: int = 3, profile_kw: dict | None = None) -> dict:
-    """run_ranks target: the measured profile and every layout's peak RSS and
-    step times on this rank. All RSS passes run first: a heap that timed
-    steps have grown would serve the RSS passes' blocks and keep them."""
+    """run_ranks target (with ``backend=None``: it starts its own group): the
+    measured profile and every layout's peak RSS and step times on this
+    rank. All RSS passes run first: a heap that timed steps have grown would
+    serve the RSS passes' blocks and keep them."""
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
+    own_group = not dist.is_initialized()
+    if own_group:
+        _init_group(cfgs[0], rank, world)
     use_mmap_for_large_blocks()
     # one step first: lazy initialisation (gloo buffers, kernels) is not part
     # of any layout's memory
@@ -189,7 +206,10 @@ def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[l
         res = time_layout(cfg, warmup, steps) | mem
         res["overrides"] = list(overrides)
         out.append(res)
-    return {"rank": rank, "profile": prof, "layouts": out}
+    backend = dist.get_backend()
+    if own_group:
+        dist.destroy_process_group()
+    return {"rank": rank, "profile": prof, "layouts": out, "backend": backend}
 
 
 def compare(per_rank: list[dict], base_overrides: list[str]) -> list[dict]:
