@@ -71,7 +71,7 @@ def _busy_time(fn, device: str, repeats: int) -> float:
     mean of ``repeats`` back-to-back calls. The best of them would be a
     moment when a drifting peer left the shared caches and memory bus to
     this rank: on the 2-core test host the fp32 GEMM curve read 97 GFLOP/s
-    so, against 79 GFLOP/s with both ranks busy and ~78 inside training."""
+    so, 92 with both ranks busy, and a training step's GEMMs ran at ~78."""
     if not _ranks_together():
         return _best_time(fn, device, repeats)
     fn()
