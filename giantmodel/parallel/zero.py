@@ -14,9 +14,9 @@
 * zero 2: gradients are not kept whole. Every micro-batch's backward copies
   each finished gradient into its bucket's scratch buffer and frees it; a
   full bucket is reduce-scattered and its owner's chunk added to a
-  persistent shard, then the scratch is reused by a later bucket. Only 1/n
-  of the gradients, the buckets in flight and a few idle scratch buffers
-  live between micro-batches.
+  persistent shard, then the scratch is reused by a later bucket of the
+  same backward. Only 1/n of the gradients and the buckets in flight live
+  between micro-batches.
 
 Buckets are launched strictly in index order on every rank (a ready bucket
 waits for its predecessors), which keeps the collective sequence identical
@@ -43,7 +43,7 @@ from giantmodel.parallel.flat_buffer import Bucket, FlatLayout, Slot
 from giantmodel.parallel.grads import replication
 
 # Zero 2 keeps at most this many idle scratch buffers (one bucket each)
-# between uses: enough for the buckets that overlap in backward.
+# inside one backward: enough for the buckets that overlap there.
 _SPARE_SCRATCH = 4
 
 
@@ -215,9 +215,10 @@ class OwnZero:
 
     def _scratch(self, flat: _Flat, bucket: Bucket) -> torch.Tensor:
         """The bucket's zeroed scratch. Buffers of buckets whose reduce has
-        finished are reused while backward still runs: only the buckets in
-        flight hold memory, and reused pages are already mapped (fresh ones
-        page-fault: that made a zero-2 step 25% slower than zero 1 on CPU)."""
+        finished are reused while backward still runs, so a backward maps
+        about as many buffers as it has buckets in flight, not one per
+        bucket (fresh pages fault on first touch, and on CPU that cost
+        shows in the step)."""
         buf = flat.scratch.get(bucket.index)
         if buf is None:
             self._settle_finished()
@@ -259,6 +260,10 @@ class OwnZero:
         for work, flat, bucket in self._inflight:
             self._settle(work, flat, bucket)
         self._inflight = []
+        for flat in self.flats:
+            # Between micro-batches and steps an idle buffer would only add
+            # to the next forward's (or the optimizer step's) peak.
+            flat.spare.clear()
 
     def _settle_finished(self) -> None:
         """Settle the launched buckets whose collective has finished, oldest
