@@ -1,6 +1,7 @@
 """Planner time and memory model against real training steps on this host.
 
-Two gloo ranks (one thread each, as the tests run them) measure the host as a
+Two ranks on the backend training picks (`comm.backend: auto`: the giant
+backend on one host), one thread each, measure the host as a
 planner profile (matmul curve, attention, memory bandwidth, the group's
 all-reduce bandwidth), then train the same small LLaMA under eight layouts
 (dp with zero 0-3, tp, tp + sp, pp, cp), timing steps and recording peak

@@ -1,6 +1,6 @@
 """The planner, calibrated on this host, against real training steps.
 
-Two gloo ranks measure the host (``giantmodel bench hw``'s measurements:
+Two ranks, on the backend training picks, measure the host (``giantmodel bench hw``'s measurements:
 matmul curve, attention, bandwidth, AdamW rate, the group's links), then train
 a small LLaMA under eight layouts (dp with zero 0-3, tp, tp + sp, pp, cp).
 Each layout's predicted step time must be within 15% of the measured one and
