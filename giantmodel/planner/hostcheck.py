@@ -29,6 +29,7 @@ import gc
 import statistics
 import time
 
+from giantmodel.comm import backend_for
 from giantmodel.config import load_config
 from giantmodel.core.precision import Precision
 from giantmodel.distributed.parallel_dims import ParallelDims
@@ -171,8 +172,6 @@ def _init_group(cfg, rank: int, world: int) -> None:
     ``cfg`` on this host (``comm.backend: auto`` is the giant backend for
     ranks on one host), so the profile and the steps measure that backend."""
     import torch.distributed as dist
-
-    from giantmodel.comm import backend_for
 
     name, opts = backend_for(cfg.comm, "cpu", world, world)
     dist.init_process_group(name, rank=rank, world_size=world, pg_options=opts)
