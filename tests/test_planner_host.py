@@ -40,7 +40,7 @@ def test_predicted_step_time_and_rss_on_this_host():
         pytest.skip(f"1-minute load average {load:.2f} > 1: step times would measure the "
                     "other jobs, not the layouts")
     base = MODEL + TRAIN
-    per_rank = run_ranks(check_rank, 2, base, LAYOUTS, 1, 3, PROFILE, timeout=360, backend=None,
+    per_rank = run_ranks(check_rank, 2, base, LAYOUTS, 2, 3, PROFILE, timeout=360, backend=None,
                          env=HOST_CHECK_ENV)
     rows = compare(per_rank, base)
     for r in rows:

@@ -178,7 +178,7 @@ def _init_group(cfg, rank: int, world: int) -> None:
 
 
 def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
-               warmup: int = 1, steps: int = 3, profile_kw: dict | None = None) -> dict:
+               warmup: int = 2, steps: int = 3, profile_kw: dict | None = None) -> dict:
     """run_ranks target (with ``backend=None``: it starts its own group): the
     measured profile and every layout's peak RSS and step times on this
     rank. All RSS passes run first: a heap that timed steps have grown would
