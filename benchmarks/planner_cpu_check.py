@@ -18,8 +18,7 @@ import json
 import os
 import sys
 
-from giantmodel.planner.hostcheck import HOST_CHECK_ENV, check_rank, compare
-from giantmodel.testing import run_ranks
+from giantmodel.planner.hostcheck import compare, run_check
 
 MODEL = ["model.arch=llama", "model.hidden_size=384", "model.num_layers=4",
          "model.num_heads=6", "model.num_kv_heads=2", "model.ffn_hidden_size=1024",
@@ -41,8 +40,7 @@ PROFILE = {"sizes": [32, 64, 128, 256, 512, 768], "mem_mb": 64, "attn_seq": 256}
 
 def run(model=MODEL, train=TRAIN, layouts=LAYOUTS, warmup=2, steps=3, profile=PROFILE):
     base = list(model) + list(train)
-    per_rank = run_ranks(check_rank, 2, base, layouts, warmup, steps, profile, timeout=900,
-                         backend=None, env=HOST_CHECK_ENV)
+    per_rank = run_check(base, layouts, warmup, steps, profile)
     return compare(per_rank, base), per_rank[0]["profile"] | {"backend": per_rank[0]["backend"]}
 
 

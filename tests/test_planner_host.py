@@ -14,8 +14,7 @@ import os
 
 import pytest
 
-from giantmodel.planner.hostcheck import HOST_CHECK_ENV, check_rank, compare
-from giantmodel.testing import run_ranks
+from giantmodel.planner.hostcheck import compare, run_check
 
 MODEL = ["model.arch=llama", "model.hidden_size=256", "model.num_layers=4",
          "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=768",
@@ -40,8 +39,7 @@ def test_predicted_step_time_and_rss_on_this_host():
         pytest.skip(f"1-minute load average {load:.2f} > 1: step times would measure the "
                     "other jobs, not the layouts")
     base = MODEL + TRAIN
-    per_rank = run_ranks(check_rank, 2, base, LAYOUTS, 2, 3, PROFILE, timeout=360, backend=None,
-                         env=HOST_CHECK_ENV)
+    per_rank = run_check(base, LAYOUTS, 2, 3, PROFILE, timeout=360)
     rows = compare(per_rank, base)
     for r in rows:
         print(f"host-check {r['layout']:<32} time {r['predicted_step_s']:.3f} / "

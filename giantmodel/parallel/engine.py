@@ -28,6 +28,7 @@ from torch import nn
 
 from giantmodel.config.parallel import ParallelConfig
 from giantmodel.config.train import OffloadConfig, OptimConfig
+from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import unique_params
 from giantmodel.parallel.collectives import any_true
@@ -95,6 +96,8 @@ class TrainEngine:
         self.objective = objective
         self.dims = dims
         self.device = device
+        if device.type == "cpu":
+            keep_freed_host_memory()
         # ``strategy`` replaces the layout's own (benchmarks compare strategies).
         self.strategy = strategy or build_strategy(dims, zero=parallel.zero, precision=precision,
                                                    bucket_bytes=int(bucket_mb * 2**20))

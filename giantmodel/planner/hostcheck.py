@@ -1,26 +1,25 @@
 """The planner against real training steps on this host (CPU ranks).
 
-``check_rank`` is a :func:`giantmodel.testing.run_ranks` target: every rank
-first measures the host as a planner profile (``hwbench.measure``, with all
-ranks busy at once, as they are in training, and the all-reduce bandwidth of
-the group), then, for each layout, builds the engine, runs warm-up and timed
-optimizer steps on synthetic batches and records the step time (slowest
-rank, median over steps) and each rank's peak RSS above what the process
-held before the engine was built. :func:`compare` then predicts both with
-the planner from the measured profile.
+:func:`run_check` starts the ranks twice. The first launch records, for
+each layout, every rank's peak RSS above what the process held before the
+engine was built (:func:`rss_rank`). The second (:func:`time_rank`) first
+measures the host as a planner profile (``hwbench.measure``, with all ranks
+busy at once, as they are in training, and the all-reduce bandwidth of the
+group), then, for each layout, builds the engine and runs warm-up and timed
+optimizer steps on synthetic batches (step time: slowest rank, median over
+steps). :func:`compare` then predicts both with the planner from the
+measured profile.
 
 Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py.
-Memory and time are measured under two allocator settings, because one
-setting cannot serve both. For peak RSS each rank has glibc serve blocks of
-64 KiB and more by mmap, so a freed tensor leaves the RSS at once (otherwise
-RSS keeps every freed block and reads high); the engine is built and its
-first steps run so. But then every tensor a step allocates is a fresh
+Memory and time need different allocator settings, hence the two launches.
+For peak RSS each rank has glibc serve blocks of 64 KiB and more by mmap,
+so a freed tensor leaves the RSS at once (otherwise RSS keeps every freed
+block and reads high). But then every tensor a step allocates is a fresh
 mapping whose pages fault in one by one: on this host that made a step 37%
 slower than the same step in a plain process (1.04 s against 0.80 s, one
-rank of the check's model). Timed steps therefore run with the thresholds
-glibc itself settles on in a training loop (its dynamic mmap threshold
-rises to the largest freed block, up to 32 MiB), where freed tensors are
-reused from the heap as in any training run.
+rank of the check's model). Timed steps run in fresh processes under
+glibc's own settings, as a training process does, rather than in the
+RSS passes' processes switched to a fixed 32 MiB threshold, as before.
 """
 
 from __future__ import annotations
@@ -67,20 +66,6 @@ def use_mmap_for_large_blocks() -> None:
         pass
 
 
-def use_heap_for_blocks_below_32mib() -> None:
-    """glibc's steady state in a training loop: blocks under 32 MiB (its
-    DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) come from the heap and are reused,
-    the trim threshold twice that, as its dynamic adjustment would set."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 * MIB)   # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 * MIB)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def _trim() -> None:
     """Hand freed heap pages back to the OS, so RSS shows what is live (with
     MALLOC_MMAP_THRESHOLD_ set, large tensors are mmapped and go back on free)."""
@@ -113,9 +98,12 @@ def _batches(cfg, step: int, data_rank: int, data_world: int) -> list[dict]:
             for i in range(0, per, mbs)]
 
 
-def _run_steps(cfg, steps: int, on_step=None) -> list[float]:
+def _run_steps(cfg, steps: int, usage_from: int = 0) -> tuple[list[float], dict]:
     """Build ``cfg``'s engine in this process group and run ``steps`` optimizer
-    steps on synthetic batches; each step's seconds (slowest rank's)."""
+    steps on synthetic batches; each step's seconds (slowest rank's), and this
+    rank's page faults and system seconds per step from step ``usage_from``."""
+    import resource
+
     import torch
     import torch.distributed as dist
 
@@ -129,8 +117,10 @@ def _run_steps(cfg, steps: int, on_step=None) -> list[float]:
                          compile=False, precision=cfg.precision, bucket_mb=cfg.parallel.bucket_mb)
     precision = Precision(cfg.precision, "cpu")
     opt = engine.build_optimizer(cfg.optim)
-    times = []
+    times, usage = [], None
     for step in range(steps):
+        if step == usage_from:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
@@ -140,6 +130,10 @@ def _run_steps(cfg, steps: int, on_step=None) -> list[float]:
         engine.optimizer_step(opt)
         engine.zero_grad(opt)
         times.append(time.perf_counter() - t0)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    n = max(1, steps - usage_from)
+    per_step = {"faults_per_step": (end.ru_minflt - usage.ru_minflt) / n if usage else 0.0,
+                "sys_s_per_step": (end.ru_stime - usage.ru_stime) / n if usage else 0.0}
     if world > 1:
         t = torch.tensor(times)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends when its slowest rank does
@@ -147,7 +141,7 @@ def _run_steps(cfg, steps: int, on_step=None) -> list[float]:
         dims.destroy_mesh()
     del engine, opt
     gc.collect()
-    return times
+    return times, per_step
 
 
 def rss_layout(cfg, steps: int) -> dict:
@@ -162,9 +156,11 @@ def rss_layout(cfg, steps: int) -> dict:
 
 def time_layout(cfg, warmup: int, steps: int) -> dict:
     """Median seconds of ``steps`` optimizer steps after ``warmup`` untimed
-    ones (call under :func:`use_heap_for_blocks_below_32mib`)."""
-    times = _run_steps(cfg, warmup + steps)[warmup:]
-    return {"step_s": statistics.median(times), "steps_s": times}
+    ones (in a process under glibc's default allocator settings), with this
+    rank's page faults and system seconds per timed step (a step that faults
+    its tensors in afresh spends a tenth of its time in the kernel)."""
+    times, usage = _run_steps(cfg, warmup + steps, usage_from=warmup)
+    return {"step_s": statistics.median(times[warmup:]), "steps_s": times[warmup:]} | usage
 
 
 def _init_group(cfg, rank: int, world: int) -> None:
@@ -177,38 +173,69 @@ def _init_group(cfg, rank: int, world: int) -> None:
     dist.init_process_group(name, rank=rank, world_size=world, pg_options=opts)
 
 
-def check_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
-               warmup: int = 2, steps: int = 3, profile_kw: dict | None = None) -> dict:
-    """run_ranks target (with ``backend=None``: it starts its own group): the
-    measured profile and every layout's peak RSS and step times on this
-    rank. All RSS passes run first: a heap that timed steps have grown would
-    serve the RSS passes' blocks and keep them."""
+def _start(cfgs, rank: int, world: int) -> bool:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
     own_group = not dist.is_initialized()
     if own_group:
         _init_group(cfgs[0], rank, world)
-    use_mmap_for_large_blocks()
-    # one step first: lazy initialisation (gloo buffers, kernels) is not part
-    # of any layout's memory
-    rss_layout(cfgs[0], 1)
-    rss = [rss_layout(cfg, warmup + steps) for cfg in cfgs]
-    # from here on the allocator a training (or `giantmodel bench hw`) process
-    # has in steady state
-    use_heap_for_blocks_below_32mib()
-    prof = hwbench.measure("cpu", **(profile_kw or {}))
-    out = []
-    for overrides, cfg, mem in zip(layouts, cfgs, rss, strict=True):
-        res = time_layout(cfg, warmup, steps) | mem
-        res["overrides"] = list(overrides)
-        out.append(res)
+    return own_group
+
+
+def _finish(own_group: bool) -> str:
+    import torch.distributed as dist
+
     backend = dist.get_backend()
     if own_group:
         dist.destroy_process_group()
-    return {"rank": rank, "profile": prof, "layouts": out, "backend": backend}
+    return backend
+
+
+def rss_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
+             steps: int) -> dict:
+    """run_ranks target (run with :data:`HOST_CHECK_ENV`; with ``backend=None``
+    it starts its own group): every layout's RSS before the build and peak
+    over the build and ``steps`` optimizer steps on this rank."""
+    cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
+    own_group = _start(cfgs, rank, world)
+    use_mmap_for_large_blocks()
+    # one step first: lazy initialisation (process-group buffers, kernels) is
+    # not part of any layout's memory
+    rss_layout(cfgs[0], 1)
+    out = [rss_layout(cfg, steps) | {"overrides": list(o)} for o, cfg in zip(layouts, cfgs)]
+    return {"rank": rank, "layouts": out, "backend": _finish(own_group)}
+
+
+def time_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
+              warmup: int = 2, steps: int = 3, profile_kw: dict | None = None) -> dict:
+    """run_ranks target (``backend=None``: it starts its own group): the
+    measured profile, then every layout's step times on this rank."""
+    cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
+    own_group = _start(cfgs, rank, world)
+    prof = hwbench.measure("cpu", **(profile_kw or {}))
+    out = [time_layout(cfg, warmup, steps) | {"overrides": list(o)}
+           for o, cfg in zip(layouts, cfgs)]
+    return {"rank": rank, "profile": prof, "layouts": out, "backend": _finish(own_group)}
+
+
+def run_check(base_overrides: list[str], layouts: list[list[str]], warmup: int = 2,
+              steps: int = 3, profile_kw: dict | None = None, world: int = 2,
+              timeout: float = 900) -> list[dict]:
+    """Measure on ``world`` ranks of this host: peak RSS in one launch, the
+    profile and step times in a second one; per rank, what :func:`compare`
+    takes."""
+    from giantmodel.testing import run_ranks
+
+    mem = run_ranks(rss_rank, world, base_overrides, layouts, warmup + steps,
+                    timeout=timeout, backend=None, env=HOST_CHECK_ENV)
+    timed = run_ranks(time_rank, world, base_overrides, layouts, warmup, steps, profile_kw,
+                      timeout=timeout, backend=None)
+    for t, m in zip(timed, mem, strict=True):
+        for lt, lm in zip(t["layouts"], m["layouts"], strict=True):
+            lt.update(base_rss=lm["base_rss"], peak_rss=lm["peak_rss"])
+    return timed
 
 
 def compare(per_rank: list[dict], base_overrides: list[str]) -> list[dict]:
@@ -231,6 +258,9 @@ def compare(per_rank: list[dict], base_overrides: list[str]) -> list[dict]:
         rows.append({
             "layout": " ".join(first["overrides"]) or "single", "describe": layout.describe(),
             "predicted_step_s": perf.step_s, "measured_step_s": first["step_s"],
+            "measured_steps_s": first["steps_s"],
+            "faults_per_step": [m["faults_per_step"] for m in measured],
+            "sys_s_per_step": [m["sys_s_per_step"] for m in measured],
             "time_ratio": perf.step_s / first["step_s"],
             "predicted_rss": base + mem.peak_bytes_per_rank, "measured_rss": base + grown,
             "rss_ratio": (base + mem.peak_bytes_per_rank) / (base + grown),

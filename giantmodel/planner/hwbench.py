@@ -29,7 +29,9 @@ as 1.0 where the figure itself is measured.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -65,22 +67,32 @@ def _best_time(fn, device: str, repeats: int) -> float:
     return best
 
 
-def _busy_time(fn, device: str, repeats: int) -> float:
+def _busy_time(fn, device: str, repeats: int, min_round_s: float = 0.02) -> float:
     """Seconds per call of ``fn`` as training sees it. Alone: the best call.
     With the host's other ranks measuring at once (:func:`_together`): the
-    mean of ``repeats`` back-to-back calls. The best of them would be a
-    moment when a drifting peer left the shared caches and memory bus to
-    this rank: on the 2-core test host the fp32 GEMM curve read 97 GFLOP/s
-    so, 92 with both ranks busy, and a training step's GEMMs ran at ~78."""
+    median over ``repeats`` rounds of each round's mean, a round running
+    back-to-back calls for at least ``min_round_s``. The best call would be
+    a moment when a drifting peer left the shared caches and memory bus to
+    this rank (on the 2-core test host the fp32 GEMM curve read 97 GFLOP/s
+    so, 92 with both ranks busy), and one short round is at the mercy of
+    one hiccup: three 1 ms attention calls once read 0.15 of peak, against
+    0.35-0.40 in every other run."""
     if not _ranks_together():
         return _best_time(fn, device, repeats)
     fn()
     _sync(device)
     t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
+    fn()
     _sync(device)
-    return (time.perf_counter() - t0) / repeats
+    calls = max(1, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-9)))
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        means.append((time.perf_counter() - t0) / calls)
+    return statistics.median(means)
 
 
 def _dtype(name: str):
