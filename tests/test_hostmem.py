@@ -50,3 +50,9 @@ def test_a_users_glibc_settings_are_kept():
     on, faults = _faults_per_round(True, MALLOC_TRIM_THRESHOLD_=str(2 ** 20))
     assert on == "False"
     assert faults > 2000, faults
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator settings")
+def test_opt_out():
+    on, _ = _faults_per_round(True, GIANTMODEL_KEEP_HOST_MEMORY="0")
+    assert on == "False"

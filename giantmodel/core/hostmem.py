@@ -18,6 +18,7 @@ The process's resident size then stays at its peak between steps, which is
 where every step takes it anyway. A user who tunes glibc through its
 environment variables (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_TOP_PAD_``) keeps those settings: nothing is changed then.
+``GIANTMODEL_KEEP_HOST_MEMORY=0`` leaves glibc's defaults alone.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ _M_MMAP_THRESHOLD = -3
 _GLIBC_MMAP_THRESHOLD_MAX = 32 * 2 ** 20   # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _TRIM_THRESHOLD = 2 ** 30
 _USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+OPT_OUT = "GIANTMODEL_KEEP_HOST_MEMORY"
 _applied = False
 
 
 def keep_freed_host_memory() -> bool:
     """Apply the settings above once per process; True when they are in
-    effect (glibc on Linux, no user setting in the environment)."""
+    effect (glibc on Linux, no user setting in the environment, no opt-out)."""
     global _applied
     if _applied:
         return True
-    if not sys.platform.startswith("linux") or any(k in os.environ for k in _USER_KNOBS):
+    if (not sys.platform.startswith("linux") or any(k in os.environ for k in _USER_KNOBS)
+            or os.environ.get(OPT_OUT, "1") == "0"):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
