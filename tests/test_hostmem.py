@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-# Three 12 MiB tensors made and freed, as a step's activations are: under
-# glibc's defaults the freed 36 MiB at the top of the heap exceeds the trim
-# threshold and goes back to the kernel, so the next round faults it in again.
+# Three 12 MiB tensors made and freed, as a step's activations are: memory
+# handed back to the kernel when they are freed is faulted in again, page by
+# page, by the next round.
 _ROUNDS = textwrap.dedent("""
     import resource, sys, torch
     from giantmodel.core.hostmem import keep_freed_host_memory
@@ -37,12 +37,11 @@ def _faults_per_round(apply: bool, **env) -> tuple[str, float]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator settings")
 def test_freed_blocks_are_not_faulted_in_again():
     on, faults = _faults_per_round(True)
-    off, faults_default = _faults_per_round(False)
-    assert on == "True" and off == "False"
-    # 36 MiB is 9216 pages: the default returns and re-faults most of them
-    # (6112 per round here, against 0-614 kept)
-    assert faults_default > 2000, faults_default
-    assert faults < faults_default / 4, (faults, faults_default)
+    assert on == "True"
+    # 36 MiB is 9216 pages; kept, a round faults none of them in again (0-614
+    # here). glibc's defaults re-fault 614 or 6112 per round, depending on
+    # where the blocks land; a fixed 128 KiB mmap threshold all 9216 (below).
+    assert faults < 1000, faults
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator settings")
