@@ -74,9 +74,9 @@ def _busy_time(fn, device: str, repeats: int, min_round_s: float = 0.02) -> floa
     back-to-back calls for at least ``min_round_s``. The best call would be
     a moment when a drifting peer left the shared caches and memory bus to
     this rank (on the 2-core test host the fp32 GEMM curve read 97 GFLOP/s
-    so, 92 with both ranks busy), and one short round is at the mercy of
-    one hiccup: three 1 ms attention calls once read 0.15 of peak, against
-    0.35-0.40 in every other run."""
+    so, 92 with both ranks busy); three back-to-back 1 ms calls, as before,
+    once read attention at 0.15 of peak against 0.35-0.40 in other runs.
+    A slow phase of the host that lasts the whole measurement still shows."""
     if not _ranks_together():
         return _best_time(fn, device, repeats)
     fn()
@@ -187,17 +187,22 @@ def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 5) -> float:
     its vocab-parallel loss, too small for the kernels to matter, sharded
     by this project's tensor-parallel plan and plain, the difference over
     the DTensor ops it dispatches (counted). The mesh is this rank alone,
-    so nothing crosses a link (the planner counts the traffic apart). A
-    lone column-parallel linear, measured before, read 21 us per op on the
-    2-core test host where the whole block's mix reads 48."""
+    so nothing crosses a link (the planner counts the traffic apart). On
+    the 2-core test host a lone column-parallel linear, measured before,
+    read 21 us per op in one process and 41-74 us with two ranks measuring
+    at once; the block's mix reads 48-56 and 46-50.
+    """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from giantmodel.config.model import ModelConfig
     from giantmodel.models.registry import build_model, init_weights
-    from giantmodel.parallel.tensor import (apply_tensor_parallel, loss_parallel_context,
-                                            vocab_parallel_cross_entropy)
+    from giantmodel.parallel.tensor import (
+        apply_tensor_parallel,
+        loss_parallel_context,
+        vocab_parallel_cross_entropy,
+    )
 
     own = not dist.is_initialized()
     if own:
