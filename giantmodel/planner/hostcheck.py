@@ -39,6 +39,7 @@ from giantmodel.planner.hardware import profile_from_dict
 from giantmodel.planner.layout import Cluster, resolve_layout
 from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
+from giantmodel.testing import run_ranks
 
 MIB = 2 ** 20
 HOST_CHECK_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
@@ -226,8 +227,6 @@ def run_check(base_overrides: list[str], layouts: list[list[str]], warmup: int =
     """Measure on ``world`` ranks of this host: peak RSS in one launch, the
     profile and step times in a second one; per rank, what :func:`compare`
     takes."""
-    from giantmodel.testing import run_ranks
-
     mem = run_ranks(rss_rank, world, base_overrides, layouts, warmup + steps,
                     timeout=timeout, backend=None, env=HOST_CHECK_ENV)
     timed = run_ranks(time_rank, world, base_overrides, layouts, warmup, steps, profile_kw,

@@ -40,9 +40,16 @@ import yaml
 from giantmodel.comm import backend_for
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.model import ModelConfig
 from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.distributed.linkprobe import probe_links
+from giantmodel.models.registry import build_model, init_weights
+from giantmodel.parallel.tensor import (
+    apply_tensor_parallel,
+    loss_parallel_context,
+    vocab_parallel_cross_entropy,
+)
 from giantmodel.planner.hardware import GB, MEASURED_PROFILE_FILE
 from giantmodel.planner.measure import DTensorOpCounter
 
@@ -195,14 +202,6 @@ def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 5) -> float:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from giantmodel.config.model import ModelConfig
-    from giantmodel.models.registry import build_model, init_weights
-    from giantmodel.parallel.tensor import (
-        apply_tensor_parallel,
-        loss_parallel_context,
-        vocab_parallel_cross_entropy,
-    )
 
     own = not dist.is_initialized()
     if own:
