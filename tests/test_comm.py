@@ -154,6 +154,39 @@ def _check_async_and_coalesced(rank, world, group, ranks):
     dist.barrier(group=group)
 
 
+def _check_inline(rank, world, group, ranks):
+    """``all_reduce_inline``: the core's direct path equals dist.all_reduce,
+    also for views and behind queued asynchronous collectives."""
+    from giantmodel.comm import all_reduce_inline
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (0, 17, 16_384):
+            parts = [_data(n, r, dtype, salt=7) for r in ranks]
+            for op, red in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                            ("avg", dist.ReduceOp.AVG)):
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                t = parts[ranks.index(rank)].clone()
+                assert all_reduce_inline(t, group, red) is t
+                assert _close(t, _ref_reduce(parts, op, dtype), dtype), f"inline {op} {dtype} {n}"
+    if group.accelerated:  # gloo, underneath a plain group, has no PREMUL_SUM
+        p = torch.full((9,), float(rank + 1))
+        all_reduce_inline(p, group, dist._make_nccl_premul_sum(0.5))
+        assert torch.all(p == 0.5 * sum(r + 1 for r in ranks))
+    grid = torch.full((6, 8), float(rank))
+    col = grid[:, 3]  # not contiguous: reduced through a copy, written back
+    all_reduce_inline(col, group)
+    assert torch.all(grid[:, 3] == sum(ranks)) and torch.all(grid[:, 2] == rank)
+    queued = [torch.full((200_000,), float(rank + i)) for i in range(4)]
+    works = [dist.all_reduce(q, group=group, async_op=True) for q in queued]
+    small = torch.full((5,), float(rank))
+    all_reduce_inline(small, group)  # must queue behind the four, on every rank
+    for w in works:
+        w.wait()
+    assert torch.all(small == sum(ranks))
+    assert all(torch.all(q == sum(r + i for r in ranks)) for i, q in enumerate(queued))
+
+
 def _ops_worker(rank, world):
     register_backend()
     giant = dist.new_group(backend="giant")
@@ -162,11 +195,13 @@ def _ops_worker(rank, world):
     _check_all_reduce(rank, world, giant, everyone)
     _check_scatter_gather(rank, world, giant, everyone)
     _check_async_and_coalesced(rank, world, giant, everyone)
+    _check_inline(rank, world, giant, everyone)
     sub_ranks = [0, 2]
     sub = dist.new_group(sub_ranks, backend="giant")
     if rank in sub_ranks:
         _check_scatter_gather(rank, world, sub, sub_ranks)
         _check_async_and_coalesced(rank, world, sub, sub_ranks)
+        _check_inline(rank, world, sub, sub_ranks)
     # point-to-point is delegated to gloo
     if rank < 2:
         t = torch.full((4,), float(rank))
@@ -192,6 +227,7 @@ def _ops_worker(rank, world):
     assert torch.all(t == sum(range(world)))
     # (gloo sums 16-bit floats in 16 bits, so only fp32/int are held to the fp32 reference)
     _check_scatter_gather(rank, world, plain, everyone, dtypes=(torch.float32, torch.int64))
+    _check_inline(rank, world, plain, everyone)  # through dist.all_reduce
     # a rank without the core (not built on its host) makes the whole group
     # delegate, instead of leaving the others waiting on shared memory
     mixed = dist.new_group(backend="giant", pg_options=GiantOptions(accelerate=rank != 1))
@@ -220,6 +256,9 @@ def _ops_worker(rank, world):
     newest = [e for e in record.entries() if e["process_group"][0] == prio.group_name][-1]
     assert newest["profiling_name"] == "giant:all_reduce"
     assert newest["input_sizes"] == [[50_000]] and newest["collective_seq_id"] == 6
+    _check_inline(rank, world, prio, everyone)  # never inline here: rank 0 orders
+    newest = [e for e in record.entries() if e["process_group"][0] == prio.group_name][-1]
+    assert newest["input_sizes"] == [[5]], "the direct path is in the flight record too"
     for g in (giant, prio, plain, mixed):
         g.shutdown()
     return True

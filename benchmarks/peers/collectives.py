@@ -2,6 +2,9 @@
 shared-memory all-reduce (``deepspeed.comm.inference_all_reduce``), in one
 run: both live in the same ranks (DeepSpeed's environment, giantmodel on
 PYTHONPATH), and every size alternates between them, window by window.
+giantmodel is timed twice: through ``dist.all_reduce`` on a giant group,
+and through ``giantmodel.comm.all_reduce_inline``, which calls the core
+directly as DeepSpeed's call does its op.
 
     <deepspeed venv>/bin/python benchmarks/peers/collectives.py --ranks 2 --out coll.json
 """
@@ -67,6 +70,8 @@ def rank_main(rank: int, world: int, sizes: list[str], windows: int, budget: flo
     ds_path = ("shm" if getattr(cdb, "shm_comm_op", None) is not None
                and hasattr(torch.ops, "deepspeed")
                and hasattr(torch.ops.deepspeed, "inference_all_reduce_") else "gloo-fallback")
+    from giantmodel.comm import all_reduce_inline
+
     register_backend()
     giant = dist.new_group(backend="giant")
     ctrl = dist.new_group(backend="gloo")  # timing barriers and maxima
@@ -74,44 +79,58 @@ def rank_main(rank: int, world: int, sizes: list[str], windows: int, budget: flo
     def run_giant(t):
         dist.all_reduce(t, group=giant)
 
+    def run_inline(t):
+        all_reduce_inline(t, giant)
+
     def run_ds(t):
         dc.inference_all_reduce(t, op=dc.ReduceOp.SUM)
+
+    systems = (("giant", run_giant), ("giant_inline", run_inline), ("deepspeed", run_ds))
 
     rows = []
     for size in sizes:
         numel = parse_size(size) // 4
         # Check both sums before timing: rank r contributes r + 1 everywhere.
-        for name, fn in (("giant", run_giant), ("deepspeed", run_ds)):
+        for name, fn in systems:
             t = torch.full((numel,), float(rank + 1))
             fn(t)
             want = world * (world + 1) / 2
             if not torch.all(t == want):
                 raise RuntimeError(f"{name} all-reduce of {size} is wrong: {t[:4]} != {want}")
         t = torch.ones(numel)
-        best = {"giant": float("inf"), "deepspeed": float("inf")}
+        best = {name: float("inf") for name, _ in systems}
         for _ in range(windows):
-            for name, fn in (("giant", run_giant), ("deepspeed", run_ds)):
+            for name, fn in systems:
                 best[name] = min(best[name], _window(fn, t, budget, ctrl))
         nbytes = numel * 4
         bus = 2 * (world - 1) / world
-        rows.append({"size": size, "bytes": nbytes, "giant_us": best["giant"] * 1e6,
-                     "deepspeed_us": best["deepspeed"] * 1e6,
-                     "giant_busbw_gbps": nbytes / best["giant"] * bus / 1e9,
-                     "deepspeed_busbw_gbps": nbytes / best["deepspeed"] * bus / 1e9,
-                     "ratio": best["deepspeed"] / best["giant"], "deepspeed_path": ds_path})
+        row = {"size": size, "bytes": nbytes, "deepspeed_path": ds_path}
+        for name, _ in systems:
+            row[f"{name}_us"] = best[name] * 1e6
+            row[f"{name}_busbw_gbps"] = nbytes / best[name] * bus / 1e9
+        row["ratio"] = best["deepspeed"] / best["giant"]
+        row["ratio_inline"] = best["deepspeed"] / best["giant_inline"]
+        rows.append(row)
     return rows
 
 
+def _figure(row: dict, name: str) -> str:
+    if row["bytes"] < 2**20:
+        return f"{row[f'{name}_us']:.1f} µs"
+    return f"{row[f'{name}_busbw_gbps']:.2f} GB/s"
+
+
 def format_table(rows: list[dict], world: int) -> str:
-    lines = ["| ranks | size | giant | DeepSpeed shm | giant / DeepSpeed |",
-             "|---|---|---|---|---|"]
+    """Two giant figures: through ``dist.all_reduce``, and the direct path
+    (``giantmodel.comm.all_reduce_inline``), the like of DeepSpeed's call."""
+    lines = ["| ranks | size | giant, dist.all_reduce | giant, all_reduce_inline | DeepSpeed shm"
+             " | dist / DS | inline / DS |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["bytes"] < 2**20:
-            g, d = f"{r['giant_us']:.1f} µs", f"{r['deepspeed_us']:.1f} µs"
-        else:
-            g = f"{r['giant_busbw_gbps']:.2f} GB/s"
-            d = f"{r['deepspeed_busbw_gbps']:.2f} GB/s"
-        lines.append(f"| {world} | {r['size']} | {g} | {d} | **{r['ratio']:.2f}x** |")
+        inline = r.get("ratio_inline")  # absent in results written before the direct path
+        lines.append(f"| {world} | {r['size']} | {_figure(r, 'giant')} | "
+                     f"{_figure(r, 'giant_inline') if inline else '-'} | "
+                     f"{_figure(r, 'deepspeed')} | **{r['ratio']:.2f}x** | "
+                     f"{f'**{inline:.2f}x**' if inline else '-'} |")
     return "\n".join(lines)
 
 

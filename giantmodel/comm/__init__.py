@@ -11,12 +11,12 @@ from __future__ import annotations
 import shutil
 
 from giantmodel.comm import _lib
-from giantmodel.comm.backend import create_giant_backend
+from giantmodel.comm.backend import all_reduce_inline, create_giant_backend
 from giantmodel.comm.settings import GiantOptions
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
 
-__all__ = ["BACKEND_NAME", "GiantOptions", "backend_for", "extension_status", "register_backend"]
+__all__ = ["BACKEND_NAME", "GiantOptions", "all_reduce_inline", "backend_for", "extension_status", "register_backend"]
 
 BACKEND_NAME = "giant"
 

@@ -279,6 +279,27 @@ class GiantProcessGroup(dist.ProcessGroup):
             return tensors
         return self._launch("all_reduce", tensors, job, opts, priority)
 
+    def all_reduce_now(self, t: torch.Tensor, red=ReduceOp.SUM) -> bool:
+        """All-reduce one CPU tensor in place on the shared-memory core, in
+        the caller, without torch.distributed's per-call path; False (and
+        nothing done) when the core does not take it, so the caller uses
+        ``dist.all_reduce``. Ordered with the group's other collectives:
+        with asynchronous ones still queued it queues behind them and waits.
+        """
+        op, scale = _op_and_scale(red, self._world)
+        if self._coalescing is not None or not self._fast((t,), op, flat_only=not self._use_hier):
+            return False
+        self._seq += 1
+        record.note(self._group_name, self._seq, "all_reduce", (t,))
+
+        def job():
+            self._allreduce_one(t, op, scale)
+        if autograd_profiler._is_profiler_enabled:
+            job = _profiled(job)
+        if self._engine.run_inline(job) is NotImplemented:
+            self._engine.submit(job).wait()
+        return True
+
     def _cpu_reduce_ok(self, tensors, op) -> bool:
         return (self._settings.cuda_cpu_reduce and self._shm is not None and op is not None
                 and self.topology.num_nodes == 1 and bool(tensors)
@@ -494,6 +515,25 @@ class GiantProcessGroup(dist.ProcessGroup):
             self._shm.abort()
             self._shm.cancel()
         self._engine.close(timeout=1)
+
+
+def all_reduce_inline(t: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
+    """``t`` summed (or averaged, maxed, minned) in place over ``group``, blocking.
+
+    On a giant group whose shared-memory core takes the tensor, the core is
+    called directly, as DeepSpeed's ``inference_all_reduce`` calls its
+    shared-memory op: about 2 µs of Python per call instead of the 8-9 µs of
+    ``dist.all_reduce``, which is most of a small message's time. Any other
+    group, tensor or op goes through ``dist.all_reduce`` unchanged.
+    """
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    if isinstance(pg, GiantProcessGroup) and pg.all_reduce_now(t, op):
+        return t
+    flat = t if t.is_contiguous() else t.contiguous()   # gloo reduces contiguous tensors only
+    dist.all_reduce(flat, op=op, group=group)
+    if flat is not t:
+        t.copy_(flat)
+    return t
 
 
 def _profiled(job: Callable[[], object]) -> Callable[[], object]:

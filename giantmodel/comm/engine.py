@@ -50,6 +50,7 @@ class CollectiveEngine:
         self._by_id: dict[int, tuple[Job, Future]] = {}
         self._ids = itertools.count()
         self._in_flight = 0
+        self._drainers = 0   # threads waiting in drain(): notify only when there are some
         self._thread: threading.Thread | None = None
         self._closed = False
         self._failure: BaseException | None = None
@@ -92,7 +93,7 @@ class CollectiveEngine:
         finally:
             with self._lock:
                 self._in_flight -= 1
-                if not self._in_flight:
+                if not self._in_flight and self._drainers:
                     self._idle.notify_all()
 
     def submit(self, job: Job, priority: int = 0) -> Future:
@@ -179,7 +180,11 @@ class CollectiveEngine:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job finished; False on timeout."""
         with self._lock:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            self._drainers += 1
+            try:
+                return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            finally:
+                self._drainers -= 1
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop the thread; True when it has exited (so shared memory may be

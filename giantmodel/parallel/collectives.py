@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from giantmodel.comm import all_reduce_inline
+
 # torch 2.13 names the single-tensor forms *_single; older releases *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -21,15 +23,16 @@ def group_size(group) -> int:
 def all_reduce_sum_(t: torch.Tensor, group, async_op: bool = False):
     """In-place sum of ``t`` over ``group``; with ``async_op`` returns the Work (or None)."""
     if group_size(group) > 1:
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         if async_op:
-            return work
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        # the blocking form takes the giant core's direct path where it can
+        all_reduce_inline(t, group, dist.ReduceOp.SUM)
     return None if async_op else t
 
 
 def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_inline(t, group, dist.ReduceOp.MAX)
     return t
 
 
