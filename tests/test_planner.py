@@ -397,3 +397,49 @@ def test_layout_follows_pipeline_microbatches_and_tied_head_copies():
     # with two stages the last one keeps its own copy of the tied embedding
     emb = (cfg.model.vocab_size, cfg.model.hidden_size)
     assert first.count(emb) == 1 and last.count(emb) == 1
+
+
+def test_zero2_scratch_faults_are_charged_on_cpu_above_the_mmap_ceiling():
+    """The planner's bucket sizes are the engine's, and zero 2's scratch is
+    charged for its page faults only where the engine really maps a fresh
+    one: a CPU host, own zero 2, a bucket above glibc's mmap ceiling."""
+    import dataclasses
+    import random
+
+    import torch
+
+    from giantmodel.config import load_config
+    from giantmodel.parallel.flat_buffer import FlatLayout, layout_sizes
+    from giantmodel.planner.layout import resolve_layout
+    from giantmodel.planner.perf import fresh_scratch_time
+
+    rng = random.Random(1)
+    for _ in range(50):
+        sizes = [rng.randint(1, 5000) for _ in range(rng.randint(1, 25))]
+        owners, bucket = rng.randint(1, 4), rng.randint(100, 20_000)
+        engine = FlatLayout([torch.empty(n) for n in sizes], owners=owners, bucket_numel=bucket)
+        planned = layout_sizes(sizes, owners=owners, bucket_numel=bucket)
+        assert planned.largest == max(b.size for b in engine.buckets)
+        assert planned.buckets == len(engine.buckets)
+
+    model = ["model.arch=llama", "model.hidden_size=384", "model.num_layers=4",
+             "model.num_heads=6", "model.num_kv_heads=2", "model.ffn_hidden_size=1024",
+             "model.vocab_size=8192", "model.max_seq_len=256", "train.seq_len=256",
+             "train.micro_batch_size=2", "precision=fp32"]
+    cpu = dataclasses.replace(get_profile("cpu"), fresh_memory_bw=4e9)
+    cluster = Cluster(1, 2)
+
+    def charged(*extra, hw=cpu):
+        cfg = load_config(overrides=model + list(extra), validate=False)
+        return fresh_scratch_time(cfg.model, resolve_layout(cfg, cluster), hw)
+
+    # the 8192 x 384 embedding and head cannot be split between two owners:
+    # every bucket merges into one of about 48 MiB, mapped afresh each micro-batch
+    t = charged("parallel.dp=2", "parallel.zero=2")
+    assert 48 * 2 ** 20 / 4e9 <= t <= 2 * 52 * 2 ** 20 / 4e9
+    assert charged("parallel.dp=2", "parallel.zero=1") == 0.0
+    assert charged("parallel.dp=2", "parallel.zero=3") == 0.0
+    assert charged("parallel.dp=2", "parallel.zero=2", hw=dataclasses.replace(
+        cpu, fresh_memory_bw=None)) == 0.0
+    assert charged("parallel.dp=2", "parallel.zero=2", hw=dataclasses.replace(
+        BUILTIN["h100-sxm"], fresh_memory_bw=4e9)) == 0.0

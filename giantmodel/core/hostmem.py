@@ -29,7 +29,7 @@ import sys
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_GLIBC_MMAP_THRESHOLD_MAX = 32 * 2 ** 20   # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+MMAP_CEILING_BYTES = 32 * 2 ** 20   # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _TRIM_THRESHOLD = 2 ** 30
 _USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 OPT_OUT = "GIANTMODEL_KEEP_HOST_MEMORY"
@@ -53,6 +53,6 @@ def keep_freed_host_memory() -> bool:
     mallopt.restype = ctypes.c_int
     # both together: setting either one alone turns off glibc's dynamic
     # threshold and leaves the mmap threshold at 128 KiB
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+    _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_CEILING_BYTES)
                     and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     return _applied

@@ -118,6 +118,10 @@ class LayoutSizes:
     """Elements of the parameters this rank owns (its optimizer state)."""
     shard: int
     """This rank's chunks of every bucket (zero 2's persistent gradients)."""
+    largest: int = 0
+    """The largest bucket, padding included: the size of zero 2's scratch buffers."""
+    buckets: int = 0
+    """How many buckets there are."""
 
 
 def layout_sizes(sizes: list[int], *, owners: int, bucket_numel: int, rank: int = 0,
@@ -125,19 +129,22 @@ def layout_sizes(sizes: list[int], *, owners: int, bucket_numel: int, rank: int 
     """What :class:`FlatLayout` allocates for parameters of ``sizes`` elements
     (registration order), without building any tensor: the planner's view."""
     ordered = list(reversed(sizes))
-    total = owned = shard = 0
-    for members in plan_buckets(ordered, owners, bucket_numel, balance):
+    total = owned = shard = largest = 0
+    plan = plan_buckets(ordered, owners, bucket_numel, balance)
+    for members in plan:
         msizes = [ordered[i] for i in members]
         if owners == 1:
             total += sum(msizes)
             owned += sum(msizes)
             shard += sum(msizes)
+            largest = max(largest, sum(msizes))
             continue
         _, loads = _owner_loads(msizes, owners)
         total += max(loads) * owners
         owned += loads[rank]
         shard += max(loads)
-    return LayoutSizes(total, owned, shard)
+        largest = max(largest, max(loads) * owners)
+    return LayoutSizes(total, owned, shard, largest, len(plan))
 
 
 class FlatLayout:

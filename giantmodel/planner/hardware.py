@@ -71,6 +71,11 @@ class HardwareProfile:
     parallelism): sharding propagation and re-wrapping in Python. Measured by ``bench hw``; 0 in
     the built-in GPU profiles, whose host dispatches ahead of the kernels (a layer's host time
     is hidden while it is shorter than the layer's kernels)."""
+    fresh_memory_bw: float | None = None
+    """Bytes/s at which a CPU host maps and first touches fresh memory (page faults). A buffer
+    above glibc's largest mmap threshold is returned to the kernel when freed and faulted in
+    again when next allocated, which the planner charges at this rate. Measured by ``bench hw``
+    on CPU; None on GPUs, whose allocator caches blocks."""
     link_efficiency: float = 0.80
     """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
     latency_s: float = 10e-6
@@ -157,7 +162,7 @@ def profile_from_dict(name: str, raw: dict, source: str) -> HardwareProfile:
     for key, value in kwargs.items():
         if key in ("name", "peak_flops", "intra_link", "matmul_curve"):
             continue
-        if key == "adamw_rate" and value is None:
+        if key in ("adamw_rate", "fresh_memory_bw") and value is None:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} in hardware profile {name!r} must be a number, got {value!r}")

@@ -187,6 +187,23 @@ def memory_bandwidth(device: str, nbytes: int, repeats: int = 3) -> tuple[float,
     return copy, add
 
 
+def fresh_memory_rate(nbytes: int = 64 * 2 ** 20, repeats: int = 5) -> float:
+    """Bytes per second at which this host maps fresh memory and faults it in.
+
+    A CPU buffer above glibc's largest mmap threshold (32 MiB) is unmapped
+    when freed, so each use of a new one pays a page fault per page on top
+    of the write; this is the write of a freshly allocated ``nbytes`` buffer,
+    less the same write into memory already mapped, per byte."""
+    import torch
+
+    n = nbytes // 4
+    warm = torch.empty(n)
+    warm.zero_()
+    touched = _busy_time(warm.zero_, "cpu", repeats)
+    fresh = _busy_time(lambda: torch.empty(n).zero_(), "cpu", repeats)
+    return nbytes / max(fresh - touched, 1e-9)
+
+
 def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 5) -> float:
     """Seconds each aten op costs more when its arguments are DTensors
     (sharding propagation, redistribution, unwrapping and rewrapping, in
@@ -309,6 +326,8 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
     _together()
     adam = adamw_rate(device, nbytes // 4)
     dtensor_op = dtensor_op_overhead(device)
+    _together()
+    fresh = None if gpu else fresh_memory_rate()
     if gpu:
         props = torch.cuda.get_device_properties(device)
         capacity, gpn = float(props.total_memory), torch.cuda.device_count()
@@ -323,6 +342,7 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             "attention_efficiency": min(1.0, attn / peaks[main]),
             "memory_efficiency": min(1.0, add / copy),
             "link_efficiency": 0.8, "adamw_rate": adam, "dtensor_op_s": dtensor_op,
+            "fresh_memory_bw": fresh,
             "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
             "host_memory_bytes": capacity}
     links = link_bandwidth(device)

@@ -45,6 +45,9 @@ import bisect
 import math
 from dataclasses import dataclass, field, replace
 
+from giantmodel.core.hostmem import MMAP_CEILING_BYTES
+from giantmodel.parallel.flat_buffer import layout_sizes
+from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import (
     DTYPE_BYTES,
@@ -53,6 +56,7 @@ from giantmodel.planner.memory import (
     lora_layer_shapes,
     offloads_to_host,
     param_table,
+    stage_params,
 )
 
 
@@ -68,6 +72,11 @@ class PerfOptions:
     other stacks differ: torchtitan's op-level policy saves every matmul output
     except every second one (``wk wo w3`` in a LLaMA block), so a plan compared
     with such a run says so here."""
+    cp_masked_attention: bool = True
+    """Context-parallel attention runs every local query against every gathered key under
+    an explicit mask (``parallel/context.py``): SDPA cannot skip the masked blocks, so a cp
+    rank computes the whole rectangle, twice the causal triangle's FLOPs. False models a
+    stack whose kernel attends each local chunk causally and skips what the mask removes."""
 
 
 # ----------------------------------------------------------------- ops
@@ -196,6 +205,8 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     gemm = (gemm_time(hw, prec, tokens, h, (q + 2 * kv) / t) + gemm_time(hw, prec, tokens, q / t, h)
             + gemm_time(hw, prec, tokens, h, mlp_in) + gemm_time(hw, prec, tokens, f / t, h))
     attn_flops = 2.0 * layout.micro_batch * layout.seq_len ** 2 * q / (t * cp)
+    if cp > 1 and opts.cp_masked_attention:
+        attn_flops *= 2   # the whole (seq / cp) x seq rectangle, not its causal part
     attn = attn_flops / (hw.flops(prec) * hw.attention_efficiency)
     none = sum(layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len,
                                       t, layout.sp, cp).values())
@@ -486,6 +497,7 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
         exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
         if layout.zero >= 1:   # updated parameters gathered after the step
             exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
+        exposed += layout.n_micro * fresh_scratch_time(m, layout, hw)
     elif n > 1:
         unit = table.layer_numel(layout.tp)
         passes = 2   # forward gathers; backward re-gathers (zero 3) and reduce-scatters
@@ -506,6 +518,30 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     else:
         opt = mem_time(hw, 32 * opt_params)   # read p, g, m, v; write p, m, v; grad norm
     return exposed, opt
+
+
+def fresh_scratch_time(m, layout: Layout, hw) -> float:
+    """Page faults of zero 2's bucket scratch, per micro-batch, on a CPU host.
+
+    The engine frees the scratch buffers between micro-batches (they would
+    only add to the next forward's peak). A buffer above glibc's largest
+    mmap threshold goes back to the kernel then, and the next backward
+    faults in a fresh one: one buffer of the largest bucket's size, two
+    when a bucket still reduces while the next fills (a finished bucket's
+    buffer is reused). Below the threshold the heap keeps the pages."""
+    if layout.zero != 2 or offloads_to_host(hw) or not hw.fresh_memory_bw or layout.lora_rank:
+        return 0.0
+    n = layout.dp * layout.cp
+    if strategy_name(zero=layout.zero, dp_cp=n, hybrid=layout.dp_replicate > 1,
+                     pp=layout.pp) != "own":
+        return 0.0
+    shapes = stage_params(param_table(m), 0, layout.num_stages, layout.stage_layers[0], layout.tp)
+    flat = layout_sizes([math.prod(s) for s in shapes], owners=n,
+                        bucket_numel=int(layout.bucket_mb * MIB) // 4)
+    scratch = 4 * flat.largest   # fp32 gradients
+    if scratch < MMAP_CEILING_BYTES:
+        return 0.0
+    return min(2, flat.buckets) * scratch / hw.fresh_memory_bw
 
 
 def _numel(p, tp: int) -> int:
