@@ -73,10 +73,10 @@ class PerfOptions:
     except every second one (``wk wo w3`` in a LLaMA block), so a plan compared
     with such a run says so here."""
     cp_masked_attention: bool = True
-    """Context-parallel attention runs every local query against every gathered key under
-    an explicit mask (``parallel/context.py``): SDPA cannot skip the masked blocks, so a cp
-    rank computes the whole rectangle, twice the causal triangle's FLOPs. False models a
-    stack whose kernel attends each local chunk causally and skips what the mask removes."""
+    """Context-parallel attention runs each local chunk against the keys up to its end under
+    an explicit mask (``parallel/context.py``): SDPA cannot skip masked blocks, so a cp rank
+    computes (2cp + 1) / (2cp) of its share of the causal triangle's FLOPs. False models a
+    stack whose kernel attends each chunk causally and skips what the mask removes."""
 
 
 # ----------------------------------------------------------------- ops
@@ -206,7 +206,7 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
             + gemm_time(hw, prec, tokens, h, mlp_in) + gemm_time(hw, prec, tokens, f / t, h))
     attn_flops = 2.0 * layout.micro_batch * layout.seq_len ** 2 * q / (t * cp)
     if cp > 1 and opts.cp_masked_attention:
-        attn_flops *= 2   # the whole (seq / cp) x seq rectangle, not its causal part
+        attn_flops *= (2 * cp + 1) / (2 * cp)   # each chunk's rectangle up to its end
     attn = attn_flops / (hw.flops(prec) * hw.attention_efficiency)
     none = sum(layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len,
                                       t, layout.sp, cp).values())
