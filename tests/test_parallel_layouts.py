@@ -24,9 +24,11 @@ TWO_RANKS = [
     ("llama", ["parallel.tp=2", "parallel.sp=true"]),
     ("llama", ["parallel.cp=2"]),
     ("llama", ["parallel.tp=2", "parallel.sp=true", "recompute=selective"]),
-    ("llama", ["parallel.dp=2", "parallel.zero=3", "recompute=full"]),
+    # every block resharded after forward (the default keeps this tiny model gathered)
+    ("llama", ["parallel.dp=2", "parallel.zero=3", "recompute=full",
+               "parallel.keep_gathered_numel=0"]),
     ("gpt", ["parallel.dp=2", "parallel.zero=1"]),
-    ("gpt", ["parallel.dp=2", "parallel.zero=3"]),
+    ("gpt", ["parallel.dp=2", "parallel.zero=3", "parallel.keep_gathered_numel=200000"]),
     ("gpt", ["parallel.tp=2"]),
     ("gpt", ["parallel.tp=2", "parallel.sp=true"]),
     ("gpt", ["parallel.cp=2", "recompute=selective"]),

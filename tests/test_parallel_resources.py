@@ -34,8 +34,12 @@ def _zero_memory(rank, world):
     from giantmodel.distributed.parallel_dims import ParallelDims
 
     out = {}
-    for zero in (0, 1, 2, 3):
-        cfg = H.make_config("llama", [f"parallel.dp={world}", f"parallel.zero={zero}"])
+    for zero in (0, 1, 2, 3, "3-kept"):
+        # "3-kept": zero 3 at the default keep_gathered_numel, which keeps a model
+        # this small gathered from forward to backward; the paper's zero 3 reshards
+        kept = zero == "3-kept"
+        cfg = H.make_config("llama", [f"parallel.dp={world}", f"parallel.zero={3 if kept else zero}",
+                                      *([] if kept else ["parallel.keep_gathered_numel=0"])])
         dims = ParallelDims.from_config(cfg, world)
         dims.build_mesh("cpu")
         engine = H.build_engine(cfg, dims)
@@ -71,6 +75,7 @@ def test_zero_memory_fractions_dp4():
         1: {"rest": 1, "forward": 1, "grads": 1, "optim": 2 / 4},
         2: {"rest": 1, "forward": 1, "grads": 1 / 4, "optim": 2 / 4},
         3: {"rest": 1 / 4, "forward": 1 / 4, "grads": 1 / 4, "optim": 2 / 4},
+        "3-kept": {"rest": 1 / 4, "forward": 1, "grads": 1 / 4, "optim": 2 / 4},
     }
     for zero, fractions in expected.items():
         for key, frac in fractions.items():
@@ -94,7 +99,9 @@ def _comm_volume(rank, world):
 
     out = {}
     for name, overrides in (("dp", ["parallel.dp=2", "parallel.zero=0", "parallel.bucket_mb=0.1"]),
-                            ("zero3", ["parallel.dp=2", "parallel.zero=3"]),
+                            ("zero3", ["parallel.dp=2", "parallel.zero=3",
+                                       "parallel.keep_gathered_numel=0"]),
+                            ("zero3-kept", ["parallel.dp=2", "parallel.zero=3"]),
                             ("tp", ["parallel.tp=2"])):
         cfg = H.make_config("llama", overrides)
         dims = ParallelDims.from_config(cfg, world)
@@ -152,6 +159,10 @@ def test_comm_volume_matches_theory():
     z = res["zero3"]
     close(z["bytes"]["all_gather"], 2 * z["n_micro"] * 4 * z["padded"], "zero3 all_gather")
     close(z["bytes"]["reduce_scatter"], z["n_micro"] * 4 * z["padded"], "zero3 reduce_scatter")
+    # kept gathered (the default for a model this small): no backward gather
+    z = res["zero3-kept"]
+    close(z["bytes"]["all_gather"], z["n_micro"] * 4 * z["padded"], "kept zero3 all_gather")
+    close(z["bytes"]["reduce_scatter"], z["n_micro"] * 4 * z["padded"], "kept zero3 reduce_scatter")
     # tp (Megatron): per micro-batch and layer two all-reduces of [b, s, h] in
     # forward and two in backward, plus one for the vocab-parallel embedding
     # (forward) and one for the head's input gradient (backward).

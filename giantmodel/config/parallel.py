@@ -47,6 +47,8 @@ class ParallelConfig:
     """How context-parallel attention exchanges K/V: all-gather of K/V with causal load balancing."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB (zero 0-2)."""
+    keep_gathered_numel: int = 1_000_000_000
+    """ZeRO-3 without pipelining: a block stays gathered from its forward to its backward when fewer than this many parameters run in between (twice those after it), DeepSpeed's stage3_max_reuse_distance rule; 0 reshards every block after forward (FSDP2's default): least memory, one more all-gather per block in backward."""
     placement: list[int] | Literal["auto"] | None = None
     """Rank placement: entry i is the global rank that takes mesh position i (pp, dp, cp, tp order, tp fastest); null is the identity; "auto" chooses the order with the least predicted communication time on the links of comm.topology (logged, and written resolved into run.dir/config.yaml)."""
     timeout_s: float = 600.0
@@ -67,6 +69,9 @@ class ParallelConfig:
             raise ConfigError("must be >= 1 or null", "parallel.shard_group_size")
         if self.bucket_mb <= 0:
             raise ConfigError("must be positive", "parallel.bucket_mb")
+        if self.keep_gathered_numel < 0:
+            raise ConfigError("must be >= 0 (0 reshards every block after forward)",
+                              "parallel.keep_gathered_numel")
         if self.timeout_s <= 0:
             raise ConfigError("must be positive", "parallel.timeout_s")
         if self.pp_virtual > 1 and self.pp_schedule not in MULTI_STAGE_SCHEDULES:

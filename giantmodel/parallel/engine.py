@@ -99,8 +99,9 @@ class TrainEngine:
         if device.type == "cpu":
             keep_freed_host_memory()
         # ``strategy`` replaces the layout's own (benchmarks compare strategies).
-        self.strategy = strategy or build_strategy(dims, zero=parallel.zero, precision=precision,
-                                                   bucket_bytes=int(bucket_mb * 2**20))
+        self.strategy = strategy or build_strategy(
+            dims, zero=parallel.zero, precision=precision, bucket_bytes=int(bucket_mb * 2**20),
+            keep_gathered_numel=parallel.keep_gathered_numel)
         runner_cls = PipelineRunner if dims.pp > 1 else SPMDRunner
         self.runner = runner_cls(objective, dims, device, self.strategy)
         self.parts: list[nn.Module] = []
@@ -161,13 +162,15 @@ class TrainEngine:
         return self.parts[0] if self.dims.world_size == 1 else None
 
 
-def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int) -> DataParallelStrategy:
+def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int,
+                   keep_gathered_numel: int = 0) -> DataParallelStrategy:
     """The data-parallel strategy for a layout (see :func:`strategy_name`)."""
     name = strategy_name(zero=zero, dp_cp=dims.dp * dims.cp, hybrid=dims.dp_replicate > 1,
                          pp=dims.pp)
     if name == "none":
         return NoDataParallel(dims)
     if name == "fsdp":
-        return FSDP(dims, reshard_after_forward=zero == 3, precision=precision)
+        return FSDP(dims, reshard_after_forward=zero == 3, precision=precision,
+                    keep_gathered_numel=keep_gathered_numel)
     return OwnZero(dims, zero=zero, group=dims.group("dp_cp"), bucket_bytes=bucket_bytes,
                    overlap=dims.pp == 1)

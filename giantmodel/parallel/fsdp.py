@@ -2,9 +2,11 @@
 
 One FSDP unit per repeated block of the model, one per group of edge
 modules the objective names (embeddings, final norm and head), and the root.
-zero 3 reshards parameters after forward; zero 2 with hybrid sharding (and
-zero 2 under pipeline parallelism, whose schedules run backward themselves)
-keeps them gathered from forward to backward (``reshard_after_forward=False``).
+zero 3 reshards parameters after forward, except for the blocks that
+``parallel.keep_gathered_numel`` keeps (:func:`kept_gathered`); zero 2 with
+hybrid sharding (and zero 2 under pipeline parallelism, whose schedules run
+backward themselves) keeps them gathered from forward to backward
+(``reshard_after_forward=False``).
 A 2-D ``dp_replicate x dp_shard`` mesh gives HSDP.
 
 FSDP2 reduces gradients inside backward; its divide factor is 1 because the
@@ -26,23 +28,47 @@ from giantmodel.parallel.grads import replication
 from giantmodel.parallel.strategy import align_grad_placements
 
 
+def kept_gathered(block_numels: list[int], edge_numel: int, limit: int) -> tuple[list[bool], bool]:
+    """Which zero 3 units skip resharding after forward: (per block, the edge units).
+
+    DeepSpeed's rule (``stage3_max_reuse_distance``): a parameter stays
+    gathered when it is used again within ``limit`` parameters. A block's
+    forward and backward are separated by the forward and backward of
+    everything after it: twice those parameters. The edge units (embedding,
+    head) are counted as after every block -- the head is, the embedding is
+    not, so this keeps a little less than the rule allows -- and are kept
+    only when everything is."""
+    keep, later = [], edge_numel
+    for n in reversed(block_numels):
+        keep.append(2 * later < limit)
+        later += n
+    return keep[::-1], 2 * later < limit
+
+
 class FSDP:
-    def __init__(self, dims, *, reshard_after_forward: bool, precision: str):
+    def __init__(self, dims, *, reshard_after_forward: bool, precision: str,
+                 keep_gathered_numel: int = 0):
         self.dims = dims
         self.reshard = reshard_after_forward
+        self.keep_numel = keep_gathered_numel
         self.precision = precision
         self.parts: list[nn.Module] = []
 
     def wrap(self, module: nn.Module, blocks: list[nn.Module],
              edge_units: list[list[nn.Module]]) -> None:
-        kw = {"mesh": fsdp_mesh(self.dims), "reshard_after_forward": self.reshard,
-              "mp_policy": _mixed_precision(self.precision)}
-        for block in blocks:
-            fully_shard(block, **kw)
+        kw = {"mesh": fsdp_mesh(self.dims), "mp_policy": _mixed_precision(self.precision)}
+        keep, keep_edges = [False] * len(blocks), False
+        # pipeline schedules run other micro-batches between a forward and its backward
+        if self.reshard and self.keep_numel and self.dims.pp == 1:
+            numels = [_local_numel(b) for b in blocks]
+            keep, keep_edges = kept_gathered(numels, _local_numel(module) - sum(numels),
+                                             self.keep_numel)
+        for block, kept in zip(blocks, keep):
+            fully_shard(block, reshard_after_forward=self.reshard and not kept, **kw)
         for unit in edge_units:
             if unit:
-                fully_shard(unit, **kw)
-        fully_shard(module, **kw)
+                fully_shard(unit, reshard_after_forward=self.reshard and not keep_edges, **kw)
+        fully_shard(module, reshard_after_forward=self.reshard, **kw)
         for m in module.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)
@@ -69,6 +95,11 @@ class FSDP:
     def norm_terms(self) -> list[tuple[torch.Tensor, int]]:
         return [(local_tensor(p.grad), replication(p.grad, self.dims))
                 for p in unique_params(self.parts) if p.grad is not None]
+
+
+def _local_numel(module: nn.Module) -> int:
+    """Elements of ``module``'s parameters on this rank (tensor-parallel shards)."""
+    return sum(local_tensor(p).numel() for p in unique_params([module]))
 
 
 def fsdp_mesh(dims):

@@ -59,6 +59,9 @@ class Layout:
     """QLoRA: adapted base weights stored as 4-bit NF4."""
     recompute_layers: tuple[str, ...] | None = None
     """Per-block recompute modes (one per model layer); None: ``recompute`` everywhere."""
+    keep_gathered_numel: int = 1_000_000_000
+    """``parallel.keep_gathered_numel``: zero 3 keeps a block gathered from its forward to its
+    backward when fewer parameters run in between (``parallel.fsdp.kept_gathered``)."""
     optim_impl: str = "auto"
     """AdamW kernel (``optim.impl``): foreach allocates a temporary the size
     of the optimizer's parameters in each step; fused (auto, on CUDA and CPU) does not."""
@@ -149,7 +152,7 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
 def job_fields(cfg) -> dict:
     """The Layout fields every layout of ``cfg``'s job shares, whatever the
     degrees: the optimizer kernel and, for the lora objective, the adapters."""
-    out = {"optim_impl": cfg.optim.impl}
+    out = {"optim_impl": cfg.optim.impl, "keep_gathered_numel": cfg.parallel.keep_gathered_numel}
     if cfg.objective == "lora":
         out.update(lora_rank=cfg.lora.rank, lora_nf4=cfg.lora.quantize_base == "nf4",
                    lora_paths=tuple(block_targets(cfg.lora.targets, cfg.model.arch)))

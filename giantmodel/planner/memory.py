@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from giantmodel.models import build_model
 from giantmodel.parallel.flat_buffer import layout_sizes
+from giantmodel.parallel.fsdp import kept_gathered
 from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Layout
 
@@ -604,7 +605,10 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     # zero 2, and prefetches about two layers under zero 3.
     modes = layout.layer_mode_counts(pp_rank)
     if layout.zero == 3:
-        comp["working_weights"] = 2 * layer_local * c
+        kept, every = zero3_kept_numel(m, layout)
+        # kept blocks are all gathered when backward starts; the others are
+        # gathered about two at a time (prefetch)
+        comp["working_weights"] = kept * c + (0 if every else 2 * layer_local * c)
     elif layout.zero == 2:
         comp["working_weights"] = local_full * c
     elif c < 4:
@@ -673,6 +677,20 @@ def optimizer_step_bytes(layout: Layout, hw, comp: dict[str, float], style: str)
     freed = (comp["working_weights"] + comp["activations"] + comp["embedding_head_activations"]
              + comp["backward_transient"] + comp.get("grads_not_yet_allocated", 0.0))
     return max(0.0, temp - freed)
+
+
+def zero3_kept_numel(m, layout: Layout) -> tuple[float, bool]:
+    """(elements a zero 3 rank keeps gathered from forward to backward, whether that is
+    every unit): the engine's rule (:func:`giantmodel.parallel.fsdp.kept_gathered`)
+    applied to this rank's shards; nothing under pipeline parallelism."""
+    if layout.zero != 3 or layout.pp > 1 or not layout.keep_gathered_numel:
+        return 0.0, False
+    table = param_table(m)
+    layer = table.layer_numel(layout.tp)
+    edges = sum(math.prod(p.local_shape(layout.tp)) for p in table.embed + table.head + table.final)
+    keep, keep_edges = kept_gathered([layer] * m.num_layers, edges, layout.keep_gathered_numel)
+    kept = sum(keep) * layer + (edges if keep_edges else 0)
+    return float(kept), keep_edges
 
 
 def memory_report(m, layout: Layout, hw, style: str = "autocast") -> MemoryReport:

@@ -57,6 +57,7 @@ from giantmodel.planner.memory import (
     offloads_to_host,
     param_table,
     stage_params,
+    zero3_kept_numel,
 )
 
 
@@ -500,7 +501,10 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
         exposed += layout.n_micro * fresh_scratch_time(m, layout, hw)
     elif n > 1:
         unit = table.layer_numel(layout.tp)
-        passes = 2   # forward gathers; backward re-gathers (zero 3) and reduce-scatters
+        # forward gathers; backward re-gathers (zero 3) what was not kept
+        # gathered (parallel.keep_gathered_numel), and reduce-scatters
+        kept, _ = zero3_kept_numel(m, layout)
+        passes = 2 - min(1.0, kept / local) if layout.zero == 3 else 2
         # FSDP2 copies each gather's shards in and the unsharded result out, and
         # the gradients into and out of the reduce-scatter buffer
         copies = mem_time(hw, 2 * (local * passes * c + trained * 4))

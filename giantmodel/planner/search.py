@@ -199,6 +199,7 @@ def apply_layout(cfg, layout: Layout):
     p.pp_microbatches = None
     p.shard_group_size = layout.dp_shard if (layout.zero and layout.dp_shard < layout.dp) else None
     p.bucket_mb = layout.bucket_mb
+    p.keep_gathered_numel = layout.keep_gathered_numel
     out.train.micro_batch_size = layout.micro_batch
     out.train.seq_len = layout.seq_len
     out.precision = layout.precision
