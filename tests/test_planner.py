@@ -207,8 +207,21 @@ def test_hwbench_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsy
     p = argparse.ArgumentParser()
     hwbench.add_arguments(p)
     out = tmp_path / "host.yaml"
+    # --config: DTensor's overhead is timed on that model's block, at its micro-batch
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {arch: llama, hidden_size: 64, num_layers: 6, num_heads: 4, "
+                   "num_kv_heads: 2, ffn_hidden_size: 128, vocab_size: 1000, max_seq_len: 32}\n"
+                   "train: {seq_len: 32, micro_batch_size: 2, global_batch_size: 2}\n")
+    blocks = []
+    real = hwbench.dtensor_op_overhead
+    monkeypatch.setattr(hwbench, "dtensor_op_overhead",
+                        lambda device, block=None: blocks.append(block) or real(device, block=block))
     assert hwbench.main(p.parse_args(["--sizes", "16,64", "--mem-mb", "8", "--attn-seq", "64",
-                                      "--name", "host", "--out", str(out)])) == 0
+                                      "--name", "host", "--out", str(out),
+                                      "--config", str(job)])) == 0
+    (model, tokens), = blocks
+    assert (model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size,
+            tokens) == (64, 128, 2, 256, 64)
     prof = load_profile_file(out)["host"]
     curve = prof.matmul_curve["fp32"]
     assert [n for n, _ in curve] == [16.0, 64.0] and curve[0][1] <= curve[1][1]

@@ -4,10 +4,10 @@
 each layout, every rank's peak RSS above what the process held before the
 engine was built (:func:`rss_rank`). The second (:func:`time_rank`) first
 measures the host as a planner profile (``hwbench.measure``, with all ranks
-busy at once, as they are in training, and the all-reduce bandwidth of the
-group), then, for each layout, builds the engine and runs warm-up and timed
-optimizer steps on synthetic batches (step time: slowest rank, median over
-steps). :func:`compare` then predicts both with the planner from the
+busy at once, as they are in training, the all-reduce bandwidth of the
+group, and DTensor's per-op cost on the checked model's block), then, for
+each layout, builds the engine and runs warm-up and timed optimizer steps
+on synthetic batches (step time: slowest rank, median over steps). :func:`compare` then predicts both with the planner from the
 measured profile.
 
 Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py.
@@ -215,7 +215,9 @@ def time_rank(rank: int, world: int, base_overrides: list[str], layouts: list[li
     measured profile, then every layout's step times on this rank."""
     cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
     own_group = _start(cfgs, rank, world)
-    prof = hwbench.measure("cpu", **(profile_kw or {}))
+    # DTensor's per-op cost grows with the kernels between the ops: time it on this model
+    block = hwbench.block_of(cfgs[0].model, cfgs[0].train.micro_batch_size * cfgs[0].train.seq_len)
+    prof = hwbench.measure("cpu", **({"block": block} | (profile_kw or {})))
     out = [time_layout(cfg, warmup, steps) | {"overrides": list(o)}
            for o, cfg in zip(layouts, cfgs)]
     return {"rank": rank, "profile": prof, "layouts": out, "backend": _finish(own_group)}

@@ -12,8 +12,10 @@ On the chosen device it measures:
   CPU this is arithmetic-bound, far below what the bandwidth suggests);
 * the host time each aten op costs more when its arguments are DTensors
   (tensor and sequence parallelism dispatch every block op on DTensors):
-  a column-parallel linear, forward and backward, on tiny tensors, as
-  DTensors and as plain tensors, over the number of DTensor ops it runs;
+  two blocks, forward and backward, as DTensors and as plain tensors, over
+  the number of DTensor ops they run; on a GPU tiny blocks, on a CPU the
+  model's own (``--config``) or one of training size, since there the
+  figure grows with the kernels run between the ops;
 * under ``torchrun`` (WORLD_SIZE > 1): the links, with the placement
   topology probe (giantmodel.distributed.linkprobe: point-to-point latency and
   bandwidth inside a host and between hosts), and the all-reduce bus
@@ -204,22 +206,57 @@ def fresh_memory_rate(nbytes: int = 64 * 2 ** 20, repeats: int = 5) -> float:
     return nbytes / max(fresh - touched, 1e-9)
 
 
-def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 5) -> float:
+# The block the DTensor overhead is timed on when no model is given: on a GPU
+# tiny, so that the host's dispatch, not the kernels, sets the time; on a CPU
+# of training size (see dtensor_op_overhead).
+TINY_BLOCK = (ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, ffn_hidden_size=128, vocab_size=256, max_seq_len=16), 16)
+CPU_BLOCK = (ModelConfig(arch="llama", hidden_size=512, num_layers=2, num_heads=8,
+                         num_kv_heads=4, ffn_hidden_size=1408, vocab_size=256,
+                         max_seq_len=512), 512)
+
+
+def block_of(model: ModelConfig, tokens: int) -> tuple[ModelConfig, int]:
+    """A two-block copy of ``model``'s block with a small vocabulary (the
+    head's own ops are not what is timed), and its tokens per micro-batch."""
+    import dataclasses
+
+    small = dataclasses.replace(model, num_layers=2, vocab_size=256,
+                                max_seq_len=max(tokens, model.max_seq_len))
+    return small, tokens
+
+
+def dtensor_op_overhead(device: str, repeats: int = 5, calls: int | None = None,
+                        block: tuple[ModelConfig, int] | None = None) -> float:
     """Seconds each aten op costs more when its arguments are DTensors
     (sharding propagation, redistribution, unwrapping and rewrapping, in
-    Python on the host): forward and backward of a two-block LLaMA, with
-    its vocab-parallel loss, too small for the kernels to matter, sharded
-    by this project's tensor-parallel plan and plain, the difference over
-    the DTensor ops it dispatches (counted). The mesh is this rank alone,
-    so nothing crosses a link (the planner counts the traffic apart). On
-    the 2-core test host a lone column-parallel linear, measured before,
-    read 21 us per op in one process and 41-74 us with two ranks measuring
-    at once; the block's mix reads 48-56 and 46-50.
+    Python on the host): forward and backward of a two-block model
+    (``block``: its config and tokens per micro-batch), with its
+    vocab-parallel loss, sharded by this project's tensor-parallel plan and
+    plain, the difference over the DTensor ops it dispatches (counted). The
+    mesh is this rank alone, so the shards are whole, the blocks' kernels
+    are the same in both, and nothing crosses a link (the planner counts
+    the traffic apart).
+
+    On a CPU the figure depends on the block's size: the kernels between two
+    ops run on the same core and evict the interpreter's code and data, so
+    each op's dispatch starts from colder caches the larger the block. On
+    the 2-core test host, two ranks measuring at once read 44-46 us per op
+    on a 64-wide block of 16 tokens and 86-113 us on the planner host
+    check's 384-wide block of 512 tokens; that check's tp 2 step spent
+    0.27 s more on the host than its dp 2 step (cProfile), about 170 us
+    for each of its 1,602 DTensor ops, collectives included. So on a CPU it is
+    timed at the block of the model being planned where one is given
+    (``giantmodel bench hw --config``, the host check), else at a block of
+    training size (:data:`CPU_BLOCK`); on a GPU at a tiny one, which
+    leaves the host's dispatch as the whole time.
     """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    cfg, tokens = TINY_BLOCK if device.startswith("cuda") else (block or CPU_BLOCK)
+    calls = calls or (5 if tokens <= TINY_BLOCK[1] else 2)   # a large block's step is long
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -229,9 +266,7 @@ def dtensor_op_overhead(device: str, repeats: int = 5, calls: int = 5) -> float:
         # every rank makes the 2-D mesh (its groups are collective); each keeps its own row
         mesh = (init_device_mesh(kind, (world, 1), mesh_dim_names=("rest", "tp"))["tp"]
                 if world > 1 else init_device_mesh(kind, (1,), mesh_dim_names=("tp",)))
-        cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                          ffn_hidden_size=128, vocab_size=256, max_seq_len=16)
-        ids = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=device)
 
         def make(tp: bool):
             model = build_model(cfg, device)
@@ -298,8 +333,10 @@ def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) ->
 
 
 def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | None = None,
-            attn_seq: int | None = None) -> dict:
-    """A profile mapping (fields of HardwareProfile) for ``device``."""
+            attn_seq: int | None = None, block: tuple[ModelConfig, int] | None = None) -> dict:
+    """A profile mapping (fields of HardwareProfile) for ``device``; ``block``
+    (a model config and its tokens per micro-batch): the model whose
+    block the DTensor overhead is timed on (:func:`dtensor_op_overhead`)."""
     import torch
     import torch.distributed as dist
 
@@ -325,7 +362,7 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
     # outgrow the caches, as a model's do
     _together()
     adam = adamw_rate(device, nbytes // 4)
-    dtensor_op = dtensor_op_overhead(device)
+    dtensor_op = dtensor_op_overhead(device, block=block)
     _together()
     fresh = None if gpu else fresh_memory_rate()
     if gpu:
@@ -390,6 +427,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated matmul sizes n (n x n x n) for the efficiency curve")
     p.add_argument("--mem-mb", type=int, default=None, help="bytes copied for the bandwidth test")
     p.add_argument("--attn-seq", type=int, default=None, help="sequence length of the attention test")
+    p.add_argument("--config", default=None,
+                   help="a training YAML: on a CPU, time the DTensor overhead on its model's "
+                        "block at its micro-batch (the figure grows with the block's size)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (match what each training rank will use)")
     p.add_argument("--out", default=None,
@@ -413,7 +453,13 @@ def main(args) -> int:
         raise ConfigError(f"--sizes must increase and be >= 1, got {args.sizes!r}", "--sizes")
     if args.threads:
         torch.set_num_threads(args.threads)
-    prof = measure(args.device, sizes, args.mem_mb, args.attn_seq)
+    block = None
+    if args.config:
+        from giantmodel.config import load_config
+
+        cfg = load_config(args.config)
+        block = block_of(cfg.model, cfg.train.micro_batch_size * cfg.train.seq_len)
+    prof = measure(args.device, sizes, args.mem_mb, args.attn_seq, block)
     name = args.name or "measured"
     out = Path(args.out) if args.out else MEASURED_PROFILE_FILE
     import torch.distributed as dist
