@@ -76,6 +76,11 @@ class HardwareProfile:
     above glibc's largest mmap threshold is returned to the kernel when freed and faulted in
     again when next allocated, which the planner charges at this rate. Measured by ``bench hw``
     on CPU; None on GPUs, whose allocator caches blocks."""
+    loss_elem_s: float | None = None
+    """Seconds the loss costs per logit, forward and backward (log-softmax, its gradient, their
+    fresh output buffers): on a CPU several times what the bytes moved suggest. Measured by
+    ``bench hw`` on CPU at the planned model's micro-batch and vocabulary; None: memory-bound
+    (GPUs)."""
     link_efficiency: float = 0.80
     """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
     latency_s: float = 10e-6
@@ -162,7 +167,7 @@ def profile_from_dict(name: str, raw: dict, source: str) -> HardwareProfile:
     for key, value in kwargs.items():
         if key in ("name", "peak_flops", "intra_link", "matmul_curve"):
             continue
-        if key in ("adamw_rate", "fresh_memory_bw") and value is None:
+        if key in ("adamw_rate", "fresh_memory_bw", "loss_elem_s") and value is None:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} in hardware profile {name!r} must be a number, got {value!r}")

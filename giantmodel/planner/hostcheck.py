@@ -215,9 +215,10 @@ def time_rank(rank: int, world: int, base_overrides: list[str], layouts: list[li
     measured profile, then every layout's step times on this rank."""
     cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
     own_group = _start(cfgs, rank, world)
-    # DTensor's per-op cost grows with the kernels between the ops: time it on this model
-    block = hwbench.block_of(cfgs[0].model, cfgs[0].train.micro_batch_size * cfgs[0].train.seq_len)
-    prof = hwbench.measure("cpu", **({"block": block} | (profile_kw or {})))
+    # DTensor's per-op cost and the loss's per logit grow with the sizes: time them on this model
+    model = {"model": cfgs[0].model,
+             "tokens": cfgs[0].train.micro_batch_size * cfgs[0].train.seq_len}
+    prof = hwbench.measure("cpu", **(model | (profile_kw or {})))
     out = [time_layout(cfg, warmup, steps) | {"overrides": list(o)}
            for o, cfg in zip(layouts, cfgs)]
     return {"rank": rank, "profile": prof, "layouts": out, "backend": _finish(own_group)}

@@ -294,6 +294,26 @@ def dtensor_op_overhead(device: str, repeats: int = 5, calls: int | None = None,
             dist.destroy_process_group()
 
 
+def loss_time_per_logit(device: str, tokens: int, vocab: int, repeats: int = 5) -> float:
+    """Seconds per logit of the training loss, forward and backward: cross
+    entropy in fp32 over a ``tokens`` x ``vocab`` logits tensor, as
+    ``core.loss`` computes it, each call allocating its outputs afresh as a
+    step does. On the 2-core test host it reads 2-7 ns per logit, rising with
+    the tensor's size (1M to 16M logits) as it outgrows the caches: four to
+    ten times a memory-bound estimate of its bytes."""
+    import torch
+
+    from giantmodel.core.loss import cross_entropy_sum
+
+    logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+
+    def step():
+        cross_entropy_sum(logits, labels)[0].backward()
+        logits.grad = None
+    return _busy_time(step, device, repeats) / (tokens * vocab)
+
+
 def _init_default_group(device: str) -> None:
     """The process group a training job of this size would get (``comm.backend:
     auto``: NCCL on CUDA, the giant backend on CPU), so the link figures are
@@ -333,10 +353,12 @@ def link_bandwidth(device: str, nbytes: int = 64 * 2 ** 20, repeats: int = 3) ->
 
 
 def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | None = None,
-            attn_seq: int | None = None, block: tuple[ModelConfig, int] | None = None) -> dict:
-    """A profile mapping (fields of HardwareProfile) for ``device``; ``block``
-    (a model config and its tokens per micro-batch): the model whose
-    block the DTensor overhead is timed on (:func:`dtensor_op_overhead`)."""
+            attn_seq: int | None = None, model: ModelConfig | None = None,
+            tokens: int = 512) -> dict:
+    """A profile mapping (fields of HardwareProfile) for ``device``; ``model``
+    and ``tokens`` (per micro-batch): the model whose block the DTensor
+    overhead is timed on (:func:`dtensor_op_overhead`) and whose loss is
+    (:func:`loss_time_per_logit`), on a CPU."""
     import torch
     import torch.distributed as dist
 
@@ -362,9 +384,13 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
     # outgrow the caches, as a model's do
     _together()
     adam = adamw_rate(device, nbytes // 4)
-    dtensor_op = dtensor_op_overhead(device, block=block)
+    dtensor_op = dtensor_op_overhead(device, block=None if model is None else block_of(model, tokens))
     _together()
-    fresh = None if gpu else fresh_memory_rate()
+    fresh = loss = None
+    if not gpu:
+        fresh = fresh_memory_rate()
+        _together()
+        loss = loss_time_per_logit(device, tokens, model.vocab_size if model else 32000)
     if gpu:
         props = torch.cuda.get_device_properties(device)
         capacity, gpn = float(props.total_memory), torch.cuda.device_count()
@@ -379,7 +405,7 @@ def measure(device: str = "cpu", sizes: list[int] | None = None, mem_mb: int | N
             "attention_efficiency": min(1.0, attn / peaks[main]),
             "memory_efficiency": min(1.0, add / copy),
             "link_efficiency": 0.8, "adamw_rate": adam, "dtensor_op_s": dtensor_op,
-            "fresh_memory_bw": fresh,
+            "fresh_memory_bw": fresh, "loss_elem_s": loss,
             "reserved_bytes": 2.5 * GB if gpu else 0.5 * GB,
             "host_memory_bytes": capacity}
     links = link_bandwidth(device)
@@ -429,7 +455,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-seq", type=int, default=None, help="sequence length of the attention test")
     p.add_argument("--config", default=None,
                    help="a training YAML: on a CPU, time the DTensor overhead on its model's "
-                        "block at its micro-batch (the figure grows with the block's size)")
+                        "block and the loss at its vocabulary, at its micro-batch (both figures "
+                        "grow with the size)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (match what each training rank will use)")
     p.add_argument("--out", default=None,
@@ -453,13 +480,13 @@ def main(args) -> int:
         raise ConfigError(f"--sizes must increase and be >= 1, got {args.sizes!r}", "--sizes")
     if args.threads:
         torch.set_num_threads(args.threads)
-    block = None
+    model, tokens = None, 512
     if args.config:
         from giantmodel.config import load_config
 
         cfg = load_config(args.config)
-        block = block_of(cfg.model, cfg.train.micro_batch_size * cfg.train.seq_len)
-    prof = measure(args.device, sizes, args.mem_mb, args.attn_seq, block)
+        model, tokens = cfg.model, cfg.train.micro_batch_size * cfg.train.seq_len
+    prof = measure(args.device, sizes, args.mem_mb, args.attn_seq, model, tokens)
     name = args.name or "measured"
     out = Path(args.out) if args.out else MEASURED_PROFILE_FILE
     import torch.distributed as dist

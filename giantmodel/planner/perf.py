@@ -341,7 +341,11 @@ def edge_times(m, layout: Layout, hw, cluster: Cluster) -> tuple[float, float]:
     if t > 1:  # vocab-parallel embedding: partial rows are all-reduced
         emb += collective_time(hw, cluster, "all_reduce", tokens * h * 4, t, 1)
     head = (2 if frozen else 3) * gemm_time(hw, prec, tokens, h, v / t)
-    head += mem_time(hw, tokens * v / t * (2 * c + 24))  # logits, fp32 softmax fwd + bwd
+    logits = tokens * v / t
+    if hw.loss_elem_s:   # measured (a CPU): the loss per logit, fwd + bwd, fresh buffers included
+        head += logits * hw.loss_elem_s
+    else:
+        head += mem_time(hw, logits * (2 * c + 24))  # logits, fp32 softmax fwd + bwd
     return emb, head
 
 
