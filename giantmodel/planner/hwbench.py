@@ -31,6 +31,7 @@ as 1.0 where the figure itself is measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -40,10 +41,12 @@ from pathlib import Path
 import yaml
 
 from giantmodel.comm import backend_for
+from giantmodel.config import load_config
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.train import OptimConfig
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.core.optim import build_adamw
 from giantmodel.distributed.linkprobe import probe_links
 from giantmodel.models.registry import build_model, init_weights
@@ -219,8 +222,6 @@ CPU_BLOCK = (ModelConfig(arch="llama", hidden_size=512, num_layers=2, num_heads=
 def block_of(model: ModelConfig, tokens: int) -> tuple[ModelConfig, int]:
     """A two-block copy of ``model``'s block with a small vocabulary (the
     head's own ops are not what is timed), and its tokens per micro-batch."""
-    import dataclasses
-
     small = dataclasses.replace(model, num_layers=2, vocab_size=256,
                                 max_seq_len=max(tokens, model.max_seq_len))
     return small, tokens
@@ -302,8 +303,6 @@ def loss_time_per_logit(device: str, tokens: int, vocab: int, repeats: int = 5) 
     the tensor's size (1M to 16M logits) as it outgrows the caches: four to
     ten times a memory-bound estimate of its bytes."""
     import torch
-
-    from giantmodel.core.loss import cross_entropy_sum
 
     logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,), device=device)
@@ -482,8 +481,6 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokens = None, 512
     if args.config:
-        from giantmodel.config import load_config
-
         cfg = load_config(args.config)
         model, tokens = cfg.model, cfg.train.micro_batch_size * cfg.train.seq_len
     prof = measure(args.device, sizes, args.mem_mb, args.attn_seq, model, tokens)
