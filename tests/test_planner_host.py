@@ -30,9 +30,9 @@ PROFILE = {"sizes": [32, 64, 128, 256, 512], "mem_mb": 32, "attn_seq": 256}
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.xfail(strict=False, reason=(
-    "step time not yet within 15% on this host (benchmarks/RESULTS.md, Planner: cp2 0.75-0.83 in "
-    "every run, tp2 0.57-0.97 from run to run; peak RSS is within 10%): part of cp's step is not "
-    "modelled, and the host's drift between runs is as large as the margin"))
+    "step time within 15% for all eight layouts in one run of three on this host "
+    "(benchmarks/RESULTS.md, Planner: every layout 0.78-0.95; peak RSS within 10%): the step's "
+    "GEMMs run below the square-GEMM curve, and the host's drift is as large as the margin"))
 def test_predicted_step_time_and_rss_on_this_host():
     load = os.getloadavg()[0]
     if load > 1.0:

@@ -1,13 +1,15 @@
 """The planner against real training steps on this host (CPU ranks).
 
-:func:`run_check` starts the ranks twice. The first launch records, for
-each layout, every rank's peak RSS above what the process held before the
-engine was built (:func:`rss_rank`). The second (:func:`time_rank`) first
-measures the host as a planner profile (``hwbench.measure``, with all ranks
-busy at once, as they are in training, the all-reduce bandwidth of the
-group, and DTensor's per-op cost on the checked model's block), then, for
-each layout, builds the engine and runs warm-up and timed optimizer steps
-on synthetic batches (step time: slowest rank, median over steps). :func:`compare` then predicts both with the planner from the
+:func:`run_check` starts the ranks once for memory, then once per layout
+for time. The first launch records, for each layout, every rank's peak RSS
+above what the process held before the engine was built (:func:`rss_rank`).
+The timed launches (:func:`time_rank`) each build one engine, as a training
+process does; the first of them also measures the host as a planner profile
+(``hwbench.measure``, with all ranks busy at once, as they are in training,
+the all-reduce bandwidth of the group, and DTensor's per-op cost and the
+loss per logit at the checked model's size). Each runs warm-up and timed
+optimizer steps on synthetic batches (step time: slowest rank, median over
+steps). :func:`compare` then predicts both with the planner from the
 measured profile.
 
 Used by ``benchmarks/planner_cpu_check.py`` and tests/test_planner_host.py.
@@ -210,15 +212,20 @@ def rss_rank(rank: int, world: int, base_overrides: list[str], layouts: list[lis
 
 
 def time_rank(rank: int, world: int, base_overrides: list[str], layouts: list[list[str]],
-              warmup: int = 2, steps: int = 3, profile_kw: dict | None = None) -> dict:
+              warmup: int = 2, steps: int = 3, profile_kw: dict | None = None,
+              profile: bool = True) -> dict:
     """run_ranks target (``backend=None``: it starts its own group): the
-    measured profile, then every layout's step times on this rank."""
+    measured profile (unless ``profile`` is False), then every layout's step
+    times on this rank."""
     cfgs = [load_config(overrides=list(base_overrides) + list(o)) for o in layouts]
     own_group = _start(cfgs, rank, world)
-    # DTensor's per-op cost and the loss's per logit grow with the sizes: time them on this model
-    model = {"model": cfgs[0].model,
-             "tokens": cfgs[0].train.micro_batch_size * cfgs[0].train.seq_len}
-    prof = hwbench.measure("cpu", **(model | (profile_kw or {})))
+    prof = None
+    if profile:
+        # DTensor's per-op cost and the loss's per logit grow with the sizes: time them on
+        # this model
+        model = {"model": cfgs[0].model,
+                 "tokens": cfgs[0].train.micro_batch_size * cfgs[0].train.seq_len}
+        prof = hwbench.measure("cpu", **(model | (profile_kw or {})))
     out = [time_layout(cfg, warmup, steps) | {"overrides": list(o)}
            for o, cfg in zip(layouts, cfgs)]
     return {"rank": rank, "profile": prof, "layouts": out, "backend": _finish(own_group)}
@@ -227,13 +234,23 @@ def time_rank(rank: int, world: int, base_overrides: list[str], layouts: list[li
 def run_check(base_overrides: list[str], layouts: list[list[str]], warmup: int = 2,
               steps: int = 3, profile_kw: dict | None = None, world: int = 2,
               timeout: float = 900) -> list[dict]:
-    """Measure on ``world`` ranks of this host: peak RSS in one launch, the
-    profile and step times in a second one; per rank, what :func:`compare`
-    takes."""
+    """Measure on ``world`` ranks of this host: peak RSS in one launch, then
+    the profile with the first layout's steps, then each other layout's steps
+    in a launch of its own, as training builds one engine per process (in
+    one launch the check's later layouts ran 5-10% slower than when timed
+    first, and cp2, the last, up to 0.13 s per step); per rank, what
+    :func:`compare` takes."""
     mem = run_ranks(rss_rank, world, base_overrides, layouts, warmup + steps,
                     timeout=timeout, backend=None, env=HOST_CHECK_ENV)
-    timed = run_ranks(time_rank, world, base_overrides, layouts, warmup, steps, profile_kw,
-                      timeout=timeout, backend=None)
+    timed = None
+    for i, layout in enumerate(layouts):
+        part = run_ranks(time_rank, world, base_overrides, [layout], warmup, steps, profile_kw,
+                         i == 0, timeout=timeout, backend=None)
+        if timed is None:
+            timed = part
+        else:
+            for t, p in zip(timed, part, strict=True):
+                t["layouts"] += p["layouts"]
     for t, m in zip(timed, mem, strict=True):
         for lt, lm in zip(t["layouts"], m["layouts"], strict=True):
             lt.update(base_rss=lm["base_rss"], peak_rss=lm["peak_rss"])
