@@ -3,10 +3,12 @@
 Two ranks on the backend training picks (`comm.backend: auto`: the giant
 backend on one host), one thread each, measure the host as a
 planner profile (matmul curve, attention, memory bandwidth, the group's
-all-reduce bandwidth), then train the same small LLaMA under eight layouts
-(dp with zero 0-3, tp, tp + sp, pp, cp), timing steps and recording peak
-RSS. The planner then predicts each step time and peak RSS from the measured
-profile. Run it on a quiet host:
+all-reduce bandwidth, DTensor's per-op cost and the loss per logit at this
+model's size), then train the same small LLaMA under eight layouts
+(dp with zero 0-3, tp, tp + sp, pp, cp), each in fresh processes as a
+training run would, timing steps and recording peak RSS. The planner then
+predicts each step time and peak RSS from the measured profile. About
+3 minutes; run it on a quiet host:
 
     PYTHONPATH=. python benchmarks/planner_cpu_check.py [--json F]
 """
