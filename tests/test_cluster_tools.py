@@ -45,3 +45,39 @@ def test_probe_rounds_never_put_a_host_in_two_probes():
         assert len(hosts) == len(set(hosts))
     # the three intra-host probes at once, then each pair of the 3 hosts alone
     assert len(rounds) == 4
+
+
+def _fake_host(monkeypatch, cpus: int, mask: set[int]):
+    import os
+
+    import torch
+
+    state = {"mask": None, "threads": None}
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, m: state.update(mask=list(m)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
+    return state
+
+
+def test_cpu_ranks_get_disjoint_equal_core_shares(monkeypatch):
+    from giantmodel.distributed.init import WorldInfo, bind_cpu_cores
+
+    state = _fake_host(monkeypatch, 8, set(range(8)))
+    assert bind_cpu_cores(WorldInfo(5, 6, 1, 2)) == [4, 5, 6, 7]
+    assert state == {"mask": [4, 5, 6, 7], "threads": 4}
+    assert bind_cpu_cores(WorldInfo(0, 3, 0, 3), threads=1) == [0, 1]
+    assert state == {"mask": [0, 1], "threads": 1}
+
+
+def test_cpu_binding_leaves_a_placed_or_oversubscribed_rank_alone(monkeypatch):
+    from giantmodel.distributed.init import WorldInfo, bind_cpu_cores
+
+    # srun --cpu-bind or numactl already narrowed the mask
+    state = _fake_host(monkeypatch, 8, {2, 3})
+    assert bind_cpu_cores(WorldInfo(1, 2, 1, 2)) is None
+    # more ranks than CPUs, and a single rank
+    state = _fake_host(monkeypatch, 2, {0, 1})
+    assert bind_cpu_cores(WorldInfo(3, 4, 3, 4)) is None
+    assert bind_cpu_cores(WorldInfo(0, 1, 0, 1)) is None
+    assert state == {"mask": None, "threads": None}

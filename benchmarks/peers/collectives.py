@@ -57,7 +57,6 @@ def _window(fn, t, budget: float, group) -> float:
 
 
 def rank_main(rank: int, world: int, sizes: list[str], windows: int, budget: float) -> list[dict]:
-    import deepspeed
     import deepspeed.comm as dc
     import torch
     import torch.distributed as dist
@@ -65,7 +64,7 @@ def rank_main(rank: int, world: int, sizes: list[str], windows: int, budget: flo
     from giantmodel.comm import register_backend
 
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    workload.init_deepspeed("gloo")
     cdb = dc.comm.cdb
     ds_path = ("shm" if getattr(cdb, "shm_comm_op", None) is not None
                and hasattr(torch.ops, "deepspeed")

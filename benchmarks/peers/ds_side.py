@@ -150,16 +150,20 @@ class _PipeBatches:
 
 
 def rank_main(rank: int, world: int, case_name: str, steps: int, warmup: int,
-              extra: dict, want_profile: bool) -> dict:
+              extra: dict, want_profile: bool, bind_cores: bool = False) -> dict:
     import deepspeed
     import torch
 
     case = workload.find_case(case_name)
     if not case.gpu:
+        if bind_cores:   # each rank on its own cores, as `deepspeed --bind_cores_to_rank`
+            from giantmodel.distributed.init import WorldInfo, bind_cpu_cores
+
+            bind_cpu_cores(WorldInfo(rank, world, rank, world), threads=1)
         torch.set_num_threads(1)
     else:
         torch.cuda.set_device(rank)
-    deepspeed.init_distributed(dist_backend="nccl" if case.gpu else "gloo")
+    workload.init_deepspeed("nccl" if case.gpu else "gloo")
     cfg = ds_config(case, extra)
     engine = _build(case, cfg)
     dp_rank = rank // case.pp if case.pp > 1 else rank
@@ -193,6 +197,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ds-config", default="{}", help="JSON merged over the default config")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="pin each rank to its own share of the CPUs, as DeepSpeed's launcher "
+                        "does with --bind_cores_to_rank")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--rank-from-env", action="store_true",
                    help="be one rank (RANK/WORLD_SIZE/MASTER_ADDR from the environment, as "
@@ -211,7 +218,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     per_rank = run_ranks(rank_main, case.ranks, a.case, a.steps, a.warmup,
-                         json.loads(a.ds_config), a.profile, backend=None, timeout=a.timeout,
+                         json.loads(a.ds_config), a.profile, a.bind_cores, backend=None,
+                         timeout=a.timeout,
                          env={**env_for(case), "LOCAL_SIZE": str(case.ranks)})
     step = max(sum(r["step_times"]) / len(r["step_times"]) for r in per_rank)
     r0 = per_rank[0]

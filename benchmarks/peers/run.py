@@ -75,6 +75,8 @@ def run_case(case: workload.Case, ds_python: Path, args, tmp: Path) -> dict:
     systems = {"giantmodel": [], "giantmodel-tuned": [], "deepspeed": []}
     if args.no_tuned:
         del systems["giantmodel-tuned"]
+    if args.ds_bound:
+        systems["deepspeed-bound"] = []
     for rep in range(args.reps):
         steps = args.steps if rep == 0 else args.quick_steps
         order = list(systems) if rep % 2 == 0 else list(reversed(systems))
@@ -82,8 +84,10 @@ def run_case(case: workload.Case, ds_python: Path, args, tmp: Path) -> dict:
             out = tmp / f"{case.name}-{system}-{rep}.json"
             common = ["--case", case.name, "--steps", steps, "--warmup", args.warmup,
                       "--out", out] + (["--profile"] if rep == 0 else [])
-            if system == "deepspeed":
+            if system.startswith("deepspeed"):
                 cmd = [ds_python, HERE / "ds_side.py", *common]
+                if system == "deepspeed-bound":
+                    cmd.append("--bind-cores")
             else:
                 cmd = [sys.executable, HERE / "gm_side.py", *common]
                 if system == "giantmodel-tuned":
@@ -119,6 +123,12 @@ def summarize(systems: dict) -> dict:
             "peak_rss_mib": max(g0["peak_rss_mib"]), "ds_peak_rss_mib": max(d0["peak_rss_mib"]),
             "loss": g0["loss"], "ds_loss": d0["loss"], "steps": len(g0["losses"]),
             "loss_rel_diff": loss_diff}
+        bound = [g["tokens_per_sec"] / d["tokens_per_sec"]
+                 for g, d in zip(runs, systems.get("deepspeed-bound", []))
+                 if "error" not in g and "error" not in d]
+        if bound:
+            out[name] |= {"ratio_vs_bound_median": statistics.median(bound),
+                          "ratios_vs_bound": bound}
     return out
 
 
@@ -146,19 +156,23 @@ def machine() -> dict:
 
 def format_tables(result: dict) -> str:
     head = ("| case | giantmodel tok/s | DeepSpeed tok/s | default / DS (median of reps) | "
-            "tuned / DS | peak RSS MiB gm / DS | loss after N steps gm / DS (rel. diff) |")
-    lines = [head, "|---|---|---|---|---|---|---|"]
+            "tuned / DS | default / DS cores bound | peak RSS MiB gm / DS | "
+            "loss after N steps gm / DS (rel. diff) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         s = c["summary"]
         g, t = s.get("giantmodel", {}), s.get("giantmodel-tuned", {})
         if "ratio_median" not in g:
-            lines.append(f"| {c['case']['name']} | error: {g.get('error', '?')} | | | | | |")
+            lines.append(f"| {c['case']['name']} | error: {g.get('error', '?')} | | | | | | |")
             continue
         tuned = f"{t['ratio_median']:.2f}x" if "ratio_median" in t else "-"
+        bound = (f"{g['ratio_vs_bound_median']:.2f}x "
+                 f"({', '.join(f'{r:.2f}' for r in g['ratios_vs_bound'])})"
+                 if "ratio_vs_bound_median" in g else "-")
         lines.append(
             f"| {c['case']['name']} | {g['tokens_per_sec_median']:,.0f} | "
             f"{g['ds_tokens_per_sec_median']:,.0f} | **{g['ratio_median']:.2f}x** "
-            f"({', '.join(f'{r:.2f}' for r in g['ratios'])}) | {tuned} | "
+            f"({', '.join(f'{r:.2f}' for r in g['ratios'])}) | {tuned} | {bound} | "
             f"{g['peak_rss_mib']:.0f} / {g['ds_peak_rss_mib']:.0f} | "
             f"{g['loss']:.5f} / {g['ds_loss']:.5f} ({g['loss_rel_diff']:.1e}, {g['steps']} steps) |")
     return "\n".join(lines)
@@ -244,6 +258,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of a run")
     p.add_argument("--no-tuned", action="store_true", help="skip the hand-tuned giantmodel runs")
     p.add_argument("--no-collectives", action="store_true")
+    p.add_argument("--ds-bound", action="store_true",
+                   help="also run DeepSpeed with each rank pinned to its own cores (its launcher's "
+                        "--bind_cores_to_rank), as giantmodel pins them by default "
+                        "(train.bind_cores)")
     p.add_argument("--cluster-rates", default="",
                    help="case 2: inter-host link rates (Mbit/s) of the emulated 2-host "
                         "cluster, comma-separated; empty to skip")

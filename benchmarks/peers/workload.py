@@ -177,6 +177,30 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def init_deepspeed(backend: str) -> None:
+    """``deepspeed.init_distributed``, then the names of its CPU all-reduce
+    segments removed. On a CPU DeepSpeed maps a 66 MB /dev/shm segment per
+    rank, named after MASTER_ADDR, MASTER_PORT and the rank, and never
+    unlinks it: every run left them behind, and /dev/shm is memory (300
+    of them, 20 GB, once filled the 24 GB test host). Each rank opens all
+    the others' segments inside ``init_distributed``; after a barrier the
+    names can go, and the mappings live until the process ends."""
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend=backend)
+    if backend != "gloo":
+        return
+    dist.barrier()
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+        dist.get_rank())
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
+
+
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

@@ -36,7 +36,16 @@ class TrainConfig:
     sample_prompt: str = "def "
     """Prompt for the sample printed after training."""
     threads: int | None = None
-    """CPU intra-op threads per rank; null leaves torch's default."""
+    """CPU intra-op threads per rank; null leaves torch's default (or, with
+    bind_cores, as many as the rank's cores)."""
+    bind_cores: bool = True
+    """On a CPU device with several ranks per host, give each local rank an
+    equal, disjoint share of the host's CPUs (as DeepSpeed's
+    ``--bind_cores_to_rank`` and ``torch.backends.xeon.run_cpu`` do): a rank
+    and its communication threads then stay on their cores instead of
+    migrating between them. Skipped when ranks outnumber the CPUs, and when
+    a launcher (srun --cpu-bind, numactl, taskset) already narrowed the
+    process's CPU set."""
     max_skipped_steps: int = 20
     """Stop the run when this many optimizer steps in a row were skipped (a
     non-finite gradient on any rank, an fp16 overflow, a loss spike); 0 never

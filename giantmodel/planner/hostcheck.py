@@ -33,6 +33,7 @@ import time
 from giantmodel.comm import backend_for
 from giantmodel.config import load_config
 from giantmodel.core.precision import Precision
+from giantmodel.distributed.init import WorldInfo, bind_cpu_cores
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.objectives import LanguageModel
 from giantmodel.parallel.engine import TrainEngine
@@ -180,10 +181,13 @@ def _start(cfgs, rank: int, world: int) -> bool:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     own_group = not dist.is_initialized()
     if own_group:
+        # pinned as the trainer pins ranks on a CPU (train.bind_cores)
+        if cfgs[0].train.bind_cores:
+            bind_cpu_cores(WorldInfo(rank, world, rank, world), threads=1)
         _init_group(cfgs[0], rank, world)
+    torch.set_num_threads(1)
     return own_group
 
 

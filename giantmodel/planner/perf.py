@@ -200,11 +200,9 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     mode = mode or layout.recompute
     t, cp, prec = layout.tp, layout.cp, layout.precision
     tokens = layout.micro_batch * layout.seq_len / cp
-    h, f = m.hidden_size, m.ffn_hidden_size
-    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
-    mlp_in = (2 if m.arch == "llama" else 1) * f / t
-    gemm = (gemm_time(hw, prec, tokens, h, (q + 2 * kv) / t) + gemm_time(hw, prec, tokens, q / t, h)
-            + gemm_time(hw, prec, tokens, h, mlp_in) + gemm_time(hw, prec, tokens, f / t, h))
+    q = m.num_heads * m.dim_per_head
+    # one GEMM per weight, as the blocks run them (wq, wk and wv apart; w1 and w3 apart)
+    gemm = sum(gemm_time(hw, prec, tokens, k, n) for k, n in _block_matmul_shapes(m, t).values())
     attn_flops = 2.0 * layout.micro_batch * layout.seq_len ** 2 * q / (t * cp)
     if cp > 1 and opts.cp_masked_attention:
         attn_flops *= (2 * cp + 1) / (2 * cp)   # each chunk's rectangle up to its end

@@ -29,6 +29,7 @@ from giantmodel.core.precision import Precision
 from giantmodel.data.checks import check_data
 from giantmodel.distributed.init import (
     HostLostError,
+    bind_cpu_cores,
     describe_lost_peer,
     gather_peer_hosts,
     init_distributed,
@@ -101,6 +102,8 @@ class Trainer:
 
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
+        if self.device.type == "cpu" and cfg.train.bind_cores:
+            bind_cpu_cores(self.info, cfg.train.threads)
         backend, pg_options = backend_for(cfg.comm, self.device.type, self.info.world_size,
                                           self.info.local_world_size)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
