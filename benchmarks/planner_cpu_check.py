@@ -1,14 +1,15 @@
 """Planner time and memory model against real training steps on this host.
 
 Two ranks on the backend training picks (`comm.backend: auto`: the giant
-backend on one host), one thread each, measure the host as a
+backend on one host), one thread each, each pinned to its own core as the
+trainer pins CPU ranks (``train.bind_cores``), measure the host as a
 planner profile (matmul curve, attention, memory bandwidth, the group's
 all-reduce bandwidth, DTensor's per-op cost and the loss per logit at this
 model's size), then train the same small LLaMA under eight layouts
 (dp with zero 0-3, tp, tp + sp, pp, cp), each in fresh processes as a
-training run would, timing steps and recording peak RSS. The planner then
+training run would, timing steps (the median of ``--steps``) and recording peak RSS. The planner then
 predicts each step time and peak RSS from the measured profile. About
-3 minutes; it waits (``--max-wait``) for the 1-minute load average to fall to
+3.5 minutes; it waits (``--max-wait``) for the 1-minute load average to fall to
 1 first, since other work on the cores is timed with the layouts:
 
     PYTHONPATH=. python benchmarks/planner_cpu_check.py [--json F]
@@ -42,7 +43,7 @@ LAYOUTS = [
 PROFILE = {"sizes": [32, 64, 128, 256, 512, 768], "mem_mb": 64, "attn_seq": 256}
 
 
-def run(model=MODEL, train=TRAIN, layouts=LAYOUTS, warmup=2, steps=3, profile=PROFILE):
+def run(model=MODEL, train=TRAIN, layouts=LAYOUTS, warmup=2, steps=5, profile=PROFILE):
     base = list(model) + list(train)
     per_rank = run_check(base, layouts, warmup, steps, profile)
     return compare(per_rank, base), per_rank[0]["profile"] | {"backend": per_rank[0]["backend"]}
@@ -60,7 +61,8 @@ def wait_for_quiet(max_wait: float, limit: float = 1.0) -> tuple[float, float, f
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed steps per layout (the median is compared)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed steps per layout (measured: the second step after the "
                          "RSS passes still ran 35%% slower than the ones after it)")

@@ -4,6 +4,7 @@ On the chosen device it measures:
 
 * the matmul rate over a range of square sizes, per precision: the *curve*
   the planner interpolates for every GEMM of a layer (small GEMMs are slower);
+  on a CPU each call from cold caches, as a training step meets its weights;
 * causal attention (``scaled_dot_product_attention``) FLOP/s, as a share of
   the matmul peak;
 * memory bandwidth: a large copy (bytes read + written per second), and an
