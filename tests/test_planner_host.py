@@ -4,13 +4,14 @@ Two ranks, on the backend training picks, measure the host (``giantmodel bench h
 matmul curve, attention, bandwidth, AdamW rate, the group's links), then train
 a small LLaMA under eight layouts (dp with zero 0-3, tp, tp + sp, pp, cp).
 Each layout's predicted step time must be within 15% of the measured one and
-its predicted peak RSS within 10%. Timing needs a quiet host: the test skips
-when the 1-minute load average is above 1.
+its predicted peak RSS within 10%. Timing needs a quiet host: the test waits up
+to 90 s for the 1-minute load average to fall to 1, and skips if it does not.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -28,12 +29,17 @@ PROFILE = {"sizes": [32, 64, 128, 256, 512], "mem_mb": 32, "attn_seq": 256}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 @pytest.mark.xfail(strict=False, reason=(
     "on 2026-11-24 all eight layouts were within 15% in the three runs of benchmarks/"
     "planner_cpu_check.py on the final tree (0.86-1.08) and in both runs of this test; kept "
     "non-strict because a layout's step moves by up to 10% between runs on the shared host"))
 def test_predicted_step_time_and_rss_on_this_host():
+    # the tests before this one leave the 1-minute load near 2; it decays below 1
+    # within about a minute of quiet
+    deadline = time.monotonic() + 90
+    while os.getloadavg()[0] > 1.0 and time.monotonic() < deadline:
+        time.sleep(5)
     load = os.getloadavg()[0]
     if load > 1.0:
         pytest.skip(f"1-minute load average {load:.2f} > 1: step times would measure the "
