@@ -178,15 +178,18 @@ def reference(arch: str, overrides: list[str], steps: int = STEPS) -> dict:
 
 
 def assert_matches(result: dict, ref: dict, label: str = "",
-                   loss_rtol: float = LOSS_RTOL, param_tol: float = PARAM_TOL) -> None:
-    """Every step's loss and global grad norm within ``loss_rtol`` (relative), and every final
-    parameter within ``param_tol`` (absolute + relative) of the reference."""
+                   loss_rtol: float = LOSS_RTOL, param_tol: float = PARAM_TOL,
+                   norm_rtol: float | None = None) -> None:
+    """Every step's loss and global grad norm within ``loss_rtol`` (relative; the norm
+    within ``norm_rtol`` when given), and every final parameter within ``param_tol``
+    (absolute + relative) of the reference."""
+    norm_rtol = loss_rtol if norm_rtol is None else norm_rtol
     for step, (a, b) in enumerate(zip(result["losses"], ref["losses"], strict=True)):
         if abs(a - b) > loss_rtol * abs(b):
             raise AssertionError(f"{label}: step {step} loss {a!r} vs reference {b!r} "
                                  f"(rel {abs(a - b) / abs(b):.2e} > {loss_rtol})")
     for step, (a, b) in enumerate(zip(result["norms"], ref["norms"], strict=True)):
-        if abs(a - b) > loss_rtol * abs(b):
+        if abs(a - b) > norm_rtol * abs(b):
             raise AssertionError(f"{label}: step {step} grad norm {a!r} vs reference {b!r}")
     assert set(result["params"]) == set(ref["params"]), (
         f"{label}: parameter names differ: {set(result['params']) ^ set(ref['params'])}")

@@ -53,3 +53,84 @@ def test_engine_keeps_the_blocks_the_rule_and_the_planner_name():
     # the planner counts the kept elements: two whole blocks (a DTensor's
     # numel is its unsharded size)
     assert planned == 2 * results[0][2]
+
+
+# ---------------------------------------------------------------- zero 1/2 padding
+def test_padding_of_whole_parameter_ownership():
+    from giantmodel.parallel.flat_buffer import padding
+    from giantmodel.parallel.strategy import strategy_name
+
+    # eight equal parameters share out over 2, 4 and 8 owners; over 16, half
+    # the owners hold nothing and every chunk is one parameter wide
+    assert padding([100] * 8, owners=2, bucket_numel=10) == 0.0
+    assert padding([100] * 8, owners=8, bucket_numel=10) == 0.0
+    assert padding([100] * 8, owners=16, bucket_numel=10) == 1.0
+    # one large parameter: the others cannot balance it
+    assert padding([1000, 10, 10], owners=2, bucket_numel=10) > 0.9
+    assert padding([1000, 10, 10], owners=1, bucket_numel=10) == 0.0
+    name = lambda z, pad: strategy_name(zero=z, dp_cp=16, hybrid=False, pp=1, padding=pad)  # noqa: E731
+    assert [name(z, 0.05) for z in (0, 1, 2, 3)] == ["own", "own", "own", "fsdp"]
+    assert [name(z, 1.0) for z in (0, 1, 2, 3)] == ["own", "fsdp", "fsdp", "fsdp"]
+
+
+def test_planner_follows_the_engine_to_fsdp_where_buffers_would_pad():
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.layout import Layout
+    from giantmodel.planner.memory import layout_strategy, param_table, stage_params
+
+    # Llama 3 8B: its 128256 x 4096 embedding and head are the two largest of
+    # 291 tensors; whole tensors cannot balance 32 owners
+    m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192)
+    shapes = stage_params(param_table(m), 0, 1, 32, 1)
+
+    def strategy(dp, zero):
+        lay = Layout(tp=1, pp=1, dp=dp, dp_shard=dp, cp=1, sp=False, zero=zero, virtual=1,
+                     schedule="1f1b", micro_batch=1, n_micro=1, seq_len=8192, precision="bf16",
+                     recompute="none", offload_activations=False, stage_layers=(32,))
+        return layout_strategy(lay, shapes)
+
+    assert strategy(8, 1) == "own"
+    assert strategy(64, 1) == "fsdp"
+    assert strategy(64, 2) == "fsdp"
+    assert strategy(64, 0) == "own"
+
+
+def _strategy_worker(rank, world):
+    import layout_harness as H
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.parallel.fsdp import FSDP
+
+    out = []
+    for extra in ([], ["model.tie_embeddings=true", "model.vocab_size=4096"]):
+        cfg = H.make_config("llama", ["parallel.dp=2", "parallel.zero=1"] + extra)
+        dims = ParallelDims.from_config(cfg, world)
+        dims.build_mesh("cpu")
+        engine = H.build_engine(cfg, dims)
+        s, model = engine.strategy, engine.parts[0]
+        row = [type(s).__name__]
+        if isinstance(s, FSDP):
+            ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
+            sharded = []
+            for last in (False, True):
+                s.before_backward(last)
+                model(ids).float().sum().backward()
+                # gathered (plain tensors, gradients unsharded) until the last
+                # micro-batch's backward reduce-scatters and reshards
+                sharded.append(all(isinstance(p, DTensor) and p.grad is not None
+                                   for p in model.parameters()))
+            row += [s.sync_every, sharded]
+        dims.destroy_mesh()
+        out.append(row)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_engine_takes_fsdp_for_zero1_that_would_pad_and_syncs_once():
+    results = run_ranks(_strategy_worker, 2, timeout=110)
+    assert results[0] == results[1]
+    assert results[0][0] == ["OwnZero"]
+    assert results[0][1] == ["FSDP", False, [False, True]]

@@ -149,8 +149,15 @@ def test_pp2_with_tp_sp_dp_zero_cp_tied_matches_single_process():
         ("llama", _pp("1f1b", 1, "parallel.cp=2")),
         ("llama", ["parallel.pp=4", "model.tie_embeddings=true"]),
     ]
-    results = run_ranks(H.run_cases, 4, cases, timeout=220)
-    _check_all(cases, results[0])
+    # zero 1 where the first stage's 4096 x 64 embedding cannot be balanced
+    # over two owners: FSDP2 units, which torch's schedule syncs after the
+    # last micro-batch (grad norm summed from shards: 1e-4)
+    padded = [("llama", _pp("1f1b", 1, "parallel.dp=2", "parallel.zero=1",
+                            "model.vocab_size=4096"))]
+    results = run_ranks(H.run_cases, 4, cases + padded, timeout=240)
+    _check_all(cases, results[0][:len(cases)])
+    _check_all(padded, results[0][len(cases):],
+               check=lambda r, ref, label: H.assert_matches(r, ref, label, norm_rtol=1e-4))
 
 
 @pytest.mark.timeout(480)

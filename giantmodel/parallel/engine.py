@@ -30,8 +30,9 @@ from giantmodel.config.parallel import ParallelConfig
 from giantmodel.config.train import OffloadConfig, OptimConfig
 from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
-from giantmodel.core.tensors import unique_params
+from giantmodel.core.tensors import local_tensor, unique_params
 from giantmodel.parallel.collectives import any_true
+from giantmodel.parallel.flat_buffer import padding as flat_padding
 from giantmodel.parallel.fsdp import FSDP
 from giantmodel.parallel.grads import clip_coefficient, clip_grads_
 from giantmodel.parallel.objective import Objective
@@ -98,20 +99,30 @@ class TrainEngine:
         self.device = device
         if device.type == "cpu":
             keep_freed_host_memory()
-        # ``strategy`` replaces the layout's own (benchmarks compare strategies).
-        self.strategy = strategy or build_strategy(
-            dims, zero=parallel.zero, precision=precision, bucket_bytes=int(bucket_mb * 2**20),
-            keep_gathered_numel=parallel.keep_gathered_numel)
         runner_cls = PipelineRunner if dims.pp > 1 else SPMDRunner
-        self.runner = runner_cls(objective, dims, device, self.strategy)
+        self.runner = runner_cls(objective, dims, device, strategy)
+        # The layout's strategy depends on this rank's local parameter shapes
+        # (strategy_name's padding), known once the parts are built and
+        # tensor-parallel: their wrapping waits until then, before any weight
+        # exists. ``strategy`` replaces it (benchmarks compare strategies).
+        pending = _PendingWrap() if strategy is None else None
         self.parts: list[nn.Module] = []
         for spec in self.runner.stage_specs():
             module = objective.build(spec)
-            parallelize(module, objective, dims, self.strategy, sp=parallel.sp,
+            parallelize(module, objective, dims, pending or strategy, sp=parallel.sp,
                         recompute=recompute, recompute_layers=recompute_layers,
                         offload=offload, compile=compile)
-            objective.init_weights(module, device)
             self.parts.append(module)
+        bucket_bytes = int(bucket_mb * 2**20)
+        self.strategy = strategy or build_strategy(
+            dims, zero=parallel.zero, precision=precision, bucket_bytes=bucket_bytes,
+            keep_gathered_numel=parallel.keep_gathered_numel,
+            padding=own_padding(self.parts, dims, bucket_bytes))
+        if pending is not None:
+            pending.replay(self.strategy)
+        self.runner.strategy = self.strategy
+        for module in self.parts:
+            objective.init_weights(module, device)
         self.strategy.attach(self.parts)
         self.runner.attach(self.parts)
 
@@ -162,15 +173,42 @@ class TrainEngine:
         return self.parts[0] if self.dims.world_size == 1 else None
 
 
+class _PendingWrap:
+    """Stands in for the strategy while the parts are parallelized: records
+    each ``wrap`` for the strategy chosen afterwards."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def wrap(self, module, blocks, edge_units) -> None:
+        self.calls.append((module, blocks, edge_units))
+
+    def replay(self, strategy: DataParallelStrategy) -> None:
+        for call in self.calls:
+            strategy.wrap(*call)
+
+
+def own_padding(parts: list[nn.Module], dims, bucket_bytes: int) -> float:
+    """What the flat buffers of zero 1/2 would pad this rank's trainable
+    parameters by (:func:`giantmodel.parallel.flat_buffer.padding`)."""
+    params = [p for p in unique_params(parts) if p.requires_grad]
+    if not params:
+        return 0.0
+    sizes = [local_tensor(p).numel() for p in params]
+    numel = max(1, bucket_bytes // params[0].element_size())
+    return flat_padding(sizes, owners=dims.dp * dims.cp, bucket_numel=numel)
+
+
 def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int,
-                   keep_gathered_numel: int = 0) -> DataParallelStrategy:
+                   keep_gathered_numel: int = 0, padding: float = 0.0) -> DataParallelStrategy:
     """The data-parallel strategy for a layout (see :func:`strategy_name`)."""
     name = strategy_name(zero=zero, dp_cp=dims.dp * dims.cp, hybrid=dims.dp_replicate > 1,
-                         pp=dims.pp)
+                         pp=dims.pp, padding=padding)
     if name == "none":
         return NoDataParallel(dims)
     if name == "fsdp":
         return FSDP(dims, reshard_after_forward=zero == 3, precision=precision,
-                    keep_gathered_numel=keep_gathered_numel)
+                    keep_gathered_numel=keep_gathered_numel,
+                    sync_every_microbatch=zero != 1)
     return OwnZero(dims, zero=zero, group=dims.group("dp_cp"), bucket_bytes=bucket_bytes,
                    overlap=dims.pp == 1)

@@ -18,7 +18,13 @@ optimizer step gives every rank every updated parameter.
 Whole parameters cannot always split evenly: a bucket grows past the target
 size until its owners' loads are within ``balance`` of each other, and an
 unbalanced tail is merged into the bucket before it. Padding is therefore
-at most ``balance`` of each bucket (about 2% by default).
+at most ``balance`` of each bucket (about 2% by default) -- while there are
+enough parameters to share out. With many owners and few, large parameters
+(a 128k-token embedding on 32 ranks, one pipeline stage's eight layers on
+64) no split balances, everything merges into one bucket, and the largest
+parameter sets every owner's chunk: the buffers grow to several times the
+model. :func:`padding` measures that, and past :data:`MAX_PADDING` the
+engine shards through FSDP2 instead (``parallel.strategy.strategy_name``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import torch
 from giantmodel.core.tensors import local_tensor
 
 BALANCE = 0.02
+MAX_PADDING = 0.10
+"""Padding (a fraction of the parameters) above which zero 1 and 2 leave the
+flat buffers for FSDP2's even dim-0 shards."""
 
 
 @dataclass
@@ -145,6 +154,15 @@ def layout_sizes(sizes: list[int], *, owners: int, bucket_numel: int, rank: int 
         shard += max(loads)
         largest = max(largest, max(loads) * owners)
     return LayoutSizes(total, owned, shard, largest, len(plan))
+
+
+def padding(sizes: list[int], *, owners: int, bucket_numel: int) -> float:
+    """What whole-parameter ownership adds to the buffers of parameters of
+    ``sizes`` elements, as a fraction of their total (0 for one owner)."""
+    total = sum(sizes)
+    if owners <= 1 or total == 0:
+        return 0.0
+    return layout_sizes(sizes, owners=owners, bucket_numel=bucket_numel).total / total - 1.0
 
 
 class FlatLayout:

@@ -9,6 +9,16 @@ backward themselves) keeps them gathered from forward to backward
 (``reshard_after_forward=False``).
 A 2-D ``dp_replicate x dp_shard`` mesh gives HSDP.
 
+Zero 1 and 2 come here too when the flat buffers' whole-parameter ownership
+would pad them (``parallel.strategy.strategy_name``), with parameters kept
+gathered from forward to backward. Zero 1 then keeps its meaning: gradients
+accumulate unsharded (in fp32) over the micro-batches, parameters stay
+gathered between them, and each unit reduce-scatters once, inside the last
+micro-batch's backward (``sync_every_microbatch=False``). Under pipeline
+parallelism torch's schedules already run FSDP2 units that way
+(``PipelineStage.backward_maybe_with_nosync``, then ``perform_reduce_grad``
+after the last micro-batch), whatever the stage.
+
 FSDP2 reduces gradients inside backward; its divide factor is 1 because the
 runner already scaled the loss by 1/(global loss units), and reductions are
 forced to plain SUM, which gloo supports (it has neither AVG nor PREMUL_SUM).
@@ -47,9 +57,10 @@ def kept_gathered(block_numels: list[int], edge_numel: int, limit: int) -> tuple
 
 class FSDP:
     def __init__(self, dims, *, reshard_after_forward: bool, precision: str,
-                 keep_gathered_numel: int = 0):
+                 keep_gathered_numel: int = 0, sync_every_microbatch: bool = True):
         self.dims = dims
         self.reshard = reshard_after_forward
+        self.sync_every = sync_every_microbatch
         self.keep_numel = keep_gathered_numel
         self.precision = precision
         self.parts: list[nn.Module] = []
@@ -78,7 +89,12 @@ class FSDP:
         self.parts = parts
 
     def before_backward(self, last_microbatch: bool) -> None:
-        return None
+        if self.sync_every:
+            return
+        for part in self.parts:
+            # recurse=True (the default) sets every unit under the root
+            part.set_requires_gradient_sync(last_microbatch)
+            part.set_reshard_after_backward(last_microbatch)
 
     def finish(self) -> None:
         align_grad_placements(self.parts)

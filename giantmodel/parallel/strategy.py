@@ -6,7 +6,8 @@ ranks and how the optimizer and its states are split among them.
   flat gradient buffer (all-reduce; reduce-scatter into the owner's shard,
   then an all-gather of the updated parameters).
 * :class:`giantmodel.parallel.fsdp.FSDP` -- ZeRO-3 and hybrid sharding
-  (HSDP) through FSDP2, which syncs inside backward by itself.
+  (HSDP) through FSDP2, which syncs inside backward by itself; also zero 1
+  and 2 where the flat buffers cannot share whole parameters out evenly.
 
 Gradients are *summed*, never averaged: the runner scales each micro-batch's
 loss by 1/(global loss units), so the sum over ranks is the gradient of the
@@ -29,6 +30,7 @@ from torch import nn
 from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.core.tensors import local_tensor, unique_params
+from giantmodel.parallel.flat_buffer import MAX_PADDING
 from giantmodel.parallel.grads import replication
 
 
@@ -91,14 +93,21 @@ class NoDataParallel:
                 for p in self._trained if p.grad is not None]
 
 
-def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int) -> str:
+def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int, padding: float = 0.0) -> str:
     """Which strategy a layout gets: "none" (dp x cp of one), "fsdp" (ZeRO-3,
     hybrid sharding, and ZeRO-2 under pipeline parallelism, whose schedules
     run backward themselves, so gradients cannot be reduced micro-batch by
-    micro-batch) or "own" (zero 0/1/2 on flat buffers)."""
+    micro-batch) or "own" (zero 0/1/2 on flat buffers).
+
+    ``padding``: what the flat buffers' whole-parameter ownership would add
+    (:func:`giantmodel.parallel.flat_buffer.padding`). Past
+    :data:`~giantmodel.parallel.flat_buffer.MAX_PADDING`, zero 1 and 2 go to
+    FSDP2 too, whose dim-0 shards are even for any number of ranks."""
     if dp_cp == 1:
         return "none"
     if zero == 3 or (zero >= 2 and hybrid) or (zero == 2 and pp > 1):
+        return "fsdp"
+    if zero >= 1 and padding > MAX_PADDING:
         return "fsdp"
     return "own"
 

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from giantmodel.models import build_model
-from giantmodel.parallel.flat_buffer import layout_sizes
+from giantmodel.parallel.flat_buffer import layout_sizes, padding
 from giantmodel.parallel.fsdp import kept_gathered
 from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Layout
@@ -576,17 +576,35 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
-        strategy = strategy_name(zero=layout.zero, dp_cp=layout.dp * layout.cp,
-                                 hybrid=layout.dp_replicate > 1, pp=layout.pp)
+        strategy = layout_strategy(layout, shapes)
         if layout.lora_rank:
             n_layers = sum(layout.stage_layers[s] for s in stages)
             states = _lora_states(table, layout, shapes, n_layers, shard_degree, style, strategy)
         else:
             states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
                                        strategy=strategy, bucket_mb=layout.bucket_mb)
+            if strategy == "fsdp" and layout.pp > 1:
+                # torch's pipeline schedules turn FSDP2's gradient sync off
+                # until the last micro-batch: each unit accumulates unsharded
+                # gradients (fp32, the reduce dtype) through the whole step
+                states["grads"] = 4 * sum(math.prod(s) for s in shapes)
         _STATES[key] = (states, sum(math.prod(s) for s in shapes))
     states, full = _STATES[key]
     return dict(states), full
+
+
+def layout_strategy(layout: Layout, shapes: list[tuple[int, ...]]) -> str:
+    """The engine's data-parallel strategy on a rank holding parameters of
+    ``shapes`` (:func:`giantmodel.parallel.strategy.strategy_name`, with the
+    padding its flat buffers would have). Under LoRA only the adapters are
+    trained: many small tensors, which the flat buffers share out evenly."""
+    n = layout.dp * layout.cp
+    pad = 0.0
+    if layout.zero in (1, 2) and n > 1 and not layout.lora_rank:
+        pad = padding([math.prod(s) for s in shapes], owners=n,
+                      bucket_numel=int(layout.bucket_mb * MIB) // 4)
+    return strategy_name(zero=layout.zero, dp_cp=n, hybrid=layout.dp_replicate > 1,
+                         pp=layout.pp, padding=pad)
 
 
 def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",

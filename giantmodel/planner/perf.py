@@ -17,7 +17,10 @@ optimizer. What overlaps follows the engine (giantmodel.parallel):
   and the same all-gather follows the step;
 * zero 3 / HSDP: FSDP2 with one unit per block and prefetch: per micro-batch
   the first unit's gather is exposed, then communication hides behind compute
-  while compute is longer;
+  while compute is longer; zero 1/2 go to FSDP2 too where the flat buffers
+  would pad (``parallel.strategy.strategy_name``), zero 1 syncing once per
+  step. Under pipeline parallelism torch's schedules hold FSDP2's
+  reduce-scatters until after the last micro-batch: exposed, once per step;
 * pipeline: point-to-point activations (the fp32 residual stream) on every
   stage boundary, over NVLink or the network depending on where the next
   stage sits; the schedule's bubble is counted per stage, so a heavy last
@@ -47,12 +50,12 @@ from dataclasses import dataclass, field, replace
 
 from giantmodel.core.hostmem import MMAP_CEILING_BYTES
 from giantmodel.parallel.flat_buffer import layout_sizes
-from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import (
     DTYPE_BYTES,
     MIB,
     layer_activation_bytes,
+    layout_strategy,
     lora_layer_shapes,
     offloads_to_host,
     param_table,
@@ -486,13 +489,14 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     table = param_table(m)
     local = _local_params(m, layout)
     trained = _trained_params(m, layout, local)
-    c = DTYPE_BYTES[layout.precision]
     n = layout.dp * layout.cp
     stride = layout.tp
     shard = layout.dp_shard * layout.cp
     bucket = min(layout.bucket_mb * MIB, trained * 4)
     exposed = 0.0
-    if n > 1 and layout.zero <= 2:
+    strategy = layout_strategy(layout, stage_params(table, 0, layout.num_stages,
+                                                    layout.stage_layers[0], layout.tp))
+    if n > 1 and strategy == "own":
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
         reduce = collective_time(hw, cluster, kind, trained * 4, n, stride)
         tail = collective_time(hw, cluster, kind, bucket, n, stride)
@@ -502,19 +506,8 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
             exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
         exposed += layout.n_micro * fresh_scratch_time(m, layout, hw)
     elif n > 1:
-        unit = table.layer_numel(layout.tp)
-        # forward gathers; backward re-gathers (zero 3) what was not kept
-        # gathered (parallel.keep_gathered_numel), and reduce-scatters
-        kept, _ = zero3_kept_numel(m, layout)
-        passes = 2 - min(1.0, kept / local) if layout.zero == 3 else 2
-        # FSDP2 copies each gather's shards in and the unsharded result out, and
-        # the gradients into and out of the reduce-scatter buffer
-        copies = mem_time(hw, 2 * (local * passes * c + trained * 4))
-        per_mb = (passes * collective_time(hw, cluster, "all_gather", local * c, shard, stride)
-                  + collective_time(hw, cluster, "reduce_scatter", trained * 4, shard, stride)
-                  + copies)
-        first = collective_time(hw, cluster, "all_gather", unit * c, shard, stride)
-        exposed = layout.n_micro * (first + max(0.0, per_mb - fwd_bwd_per_mb))
+        exposed = _fsdp_exposed(m, layout, hw, cluster, bwd_per_mb, fwd_bwd_per_mb,
+                                local, trained)
         if layout.dp_replicate > 1:
             exposed += collective_time(hw, cluster, "all_reduce", trained * 4 / shard,
                                        layout.dp_replicate, stride * shard)
@@ -524,6 +517,47 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     else:
         opt = mem_time(hw, 32 * opt_params)   # read p, g, m, v; write p, m, v; grad norm
     return exposed, opt
+
+
+def _fsdp_exposed(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
+                  fwd_bwd_per_mb: float, local: float, trained: float) -> float:
+    """Exposed FSDP2 traffic per step. Zero 3 gathers in forward, re-gathers
+    in backward what was not kept gathered (parallel.keep_gathered_numel);
+    zero 2 gathers once per micro-batch, and zero 1 once per step (gradient
+    sync off until the last micro-batch). Gathers hide behind forward but for
+    the first unit, reduce-scatters behind backward but for the last. Under
+    pipeline parallelism torch's schedules hold every reduce-scatter until
+    after the last micro-batch, where nothing hides it, and zero 1/2 gather
+    once per step."""
+    table = param_table(m)
+    c = DTYPE_BYTES[layout.precision]
+    n_dp = layout.dp_shard * layout.cp
+    stride = layout.tp
+    unit = table.layer_numel(layout.tp)
+    deferred = layout.pp > 1
+    kept, _ = zero3_kept_numel(m, layout)
+    passes = 2 - min(1.0, kept / local) if layout.zero == 3 else 1
+    gather = passes * collective_time(hw, cluster, "all_gather", local * c, n_dp, stride)
+    reduce = collective_time(hw, cluster, "reduce_scatter", trained * 4, n_dp, stride)
+    first = collective_time(hw, cluster, "all_gather", unit * c, n_dp, stride)
+    last = collective_time(hw, cluster, "reduce_scatter", unit * 4, n_dp, stride)
+    # FSDP2 copies each gather's shards in and the unsharded result out, and
+    # the gradients into and out of the reduce-scatter buffer
+    gather_copies = mem_time(hw, 2 * local * passes * c)
+    reduce_copies = mem_time(hw, 2 * trained * 4)
+    gathers = layout.n_micro if layout.zero == 3 or (layout.zero == 2 and not deferred) else 1
+    if deferred:
+        syncs, tail = 0, reduce + reduce_copies
+    else:
+        syncs, tail = (1 if layout.zero == 1 else layout.n_micro), 0.0
+    in_backward = max(0.0, reduce + reduce_copies - bwd_per_mb) + last
+    fwd_per_mb = max(0.0, fwd_bwd_per_mb - bwd_per_mb)
+    if layout.zero == 3:
+        # forward and backward gathers share the micro-batch with the reduce
+        per_mb = gather + gather_copies + (0.0 if deferred else reduce + reduce_copies)
+        return layout.n_micro * (first + max(0.0, per_mb - fwd_bwd_per_mb)) + tail
+    return (gathers * (first + max(0.0, gather + gather_copies - fwd_per_mb))
+            + syncs * in_backward + tail)
 
 
 def fresh_scratch_time(m, layout: Layout, hw) -> float:
@@ -538,10 +572,9 @@ def fresh_scratch_time(m, layout: Layout, hw) -> float:
     if layout.zero != 2 or offloads_to_host(hw) or not hw.fresh_memory_bw or layout.lora_rank:
         return 0.0
     n = layout.dp * layout.cp
-    if strategy_name(zero=layout.zero, dp_cp=n, hybrid=layout.dp_replicate > 1,
-                     pp=layout.pp) != "own":
-        return 0.0
     shapes = stage_params(param_table(m), 0, layout.num_stages, layout.stage_layers[0], layout.tp)
+    if layout_strategy(layout, shapes) != "own":
+        return 0.0
     flat = layout_sizes([math.prod(s) for s in shapes], owners=n,
                         bucket_numel=int(layout.bucket_mb * MIB) // 4)
     scratch = 4 * flat.largest   # fp32 gradients
