@@ -190,9 +190,13 @@ class _PendingWrap:
 
 def own_padding(parts: list[nn.Module], dims, bucket_bytes: int) -> float:
     """What the flat buffers of zero 1/2 would pad this rank's trainable
-    parameters by (:func:`giantmodel.parallel.flat_buffer.padding`)."""
-    params = [p for p in unique_params(parts) if p.requires_grad]
-    if not params:
+    parameters by (:func:`giantmodel.parallel.flat_buffer.padding`). A model
+    with a frozen base (LoRA) trains adapters alone, whose padding costs
+    little; it keeps the flat buffers, which leave the base (4-bit or not)
+    unwrapped."""
+    everything = unique_params(parts)
+    params = [p for p in everything if p.requires_grad]
+    if not params or len(params) < len(everything):
         return 0.0
     sizes = [local_tensor(p).numel() for p in params]
     numel = max(1, bucket_bytes // params[0].element_size())
