@@ -9,7 +9,8 @@ optimizer. What overlaps follows the engine (giantmodel.parallel):
 
 * zero 0: gradients live in one flat buffer whose buckets are all-reduced
   from inside the last micro-batch's backward: only what exceeds that
-  backward, and the last bucket, are exposed;
+  backward, and the last bucket, are exposed (under pipeline parallelism,
+  whose schedules run backward themselves, all of it, after the schedule);
 * zero 1: the same buckets are reduce-scattered into their owners' shards,
   then the updated parameters are all-gathered once after the optimizer step
   (exposed);
@@ -500,7 +501,9 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
         reduce = collective_time(hw, cluster, kind, trained * 4, n, stride)
         tail = collective_time(hw, cluster, kind, bucket, n, stride)
-        per_window = max(0.0, reduce - bwd_per_mb) + tail
+        # under pipeline parallelism the schedule runs backward itself and the
+        # buckets are reduced after it (parallel.zero: overlap off)
+        per_window = reduce if layout.pp > 1 else max(0.0, reduce - bwd_per_mb) + tail
         exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
         if layout.zero >= 1:   # updated parameters gathered after the step
             exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
