@@ -19,6 +19,7 @@ the trainer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -41,6 +42,8 @@ from giantmodel.parallel.pipeline import PipelineRunner
 from giantmodel.parallel.spmd import SPMDRunner
 from giantmodel.parallel.strategy import DataParallelStrategy, NoDataParallel, strategy_name
 from giantmodel.parallel.zero import OwnZero
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -211,6 +214,10 @@ def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int,
     if name == "none":
         return NoDataParallel(dims)
     if name == "fsdp":
+        if zero in (1, 2) and padding > 0:
+            log.info("parallel.zero=%d: owning whole parameters would pad the flat buffers by "
+                     "%.0f%% on %d ranks; sharding through FSDP2 instead", zero, 100 * padding,
+                     dims.dp * dims.cp)
         return FSDP(dims, reshard_after_forward=zero == 3, precision=precision,
                     keep_gathered_numel=keep_gathered_numel,
                     sync_every_microbatch=zero != 1)

@@ -601,10 +601,15 @@ def layout_strategy(layout: Layout, shapes: list[tuple[int, ...]]) -> str:
     n = layout.dp * layout.cp
     pad = 0.0
     if layout.zero in (1, 2) and n > 1 and not layout.lora_rank:
-        pad = padding([math.prod(s) for s in shapes], owners=n,
-                      bucket_numel=int(layout.bucket_mb * MIB) // 4)
+        pad = _padding(tuple(math.prod(s) for s in shapes), n, int(layout.bucket_mb * MIB) // 4)
     return strategy_name(zero=layout.zero, dp_cp=n, hybrid=layout.dp_replicate > 1,
                          pp=layout.pp, padding=pad)
+
+
+@functools.lru_cache(maxsize=4096)
+def _padding(sizes: tuple[int, ...], owners: int, bucket_numel: int) -> float:
+    # a search asks for the same stage at the same degree many times
+    return padding(list(sizes), owners=owners, bucket_numel=bucket_numel)
 
 
 def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
