@@ -23,7 +23,9 @@ except ImportError:  # a source tree without csrc/: pure-Python install
 # ruff is pinned: its rule set changes between releases, and CI checks it.
 TEST = ["pytest>=7", "pytest-timeout>=2", "transformers>=4.45", "tokenizers>=0.19",
         "datasets>=2.19", "pyarrow>=14", "tensorboard>=2.14", "import-linter>=2.1",
-        "ruff==0.17.6", "peft>=0.13", "torchao>=0.10"]
+        "ruff==0.17.6", "peft>=0.13", "torchao>=0.10",
+        # the Stable Diffusion tests check parity with diffusers' modules
+        "diffusers>=0.30", "Pillow>=10"]
 
 setup(
     name="giantmodel",
