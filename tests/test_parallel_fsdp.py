@@ -76,19 +76,19 @@ def test_padding_of_whole_parameter_ownership():
 def test_planner_follows_the_engine_to_fsdp_where_buffers_would_pad():
     from giantmodel.config.model import ModelConfig
     from giantmodel.planner.layout import Layout
-    from giantmodel.planner.memory import layout_strategy, param_table, stage_params
+    from giantmodel.planner.memory import layout_strategy, param_table
 
     # Llama 3 8B: its 128256 x 4096 embedding and head are the two largest of
     # 291 tensors; whole tensors cannot balance 32 owners
     m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                     ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192)
-    shapes = stage_params(param_table(m), 0, 1, 32, 1)
+    table = param_table(m)
 
     def strategy(dp, zero):
         lay = Layout(tp=1, pp=1, dp=dp, dp_shard=dp, cp=1, sp=False, zero=zero, virtual=1,
                      schedule="1f1b", micro_batch=1, n_micro=1, seq_len=8192, precision="bf16",
                      recompute="none", offload_activations=False, stage_layers=(32,))
-        return layout_strategy(lay, shapes)
+        return layout_strategy(table, lay)
 
     assert strategy(8, 1) == "own"
     assert strategy(64, 1) == "fsdp"

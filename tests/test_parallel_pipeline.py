@@ -151,9 +151,13 @@ def test_pp2_with_tp_sp_dp_zero_cp_tied_matches_single_process():
     ]
     # zero 1 where the first stage's 4096 x 64 embedding cannot be balanced
     # over two owners: FSDP2 units, which torch's schedule syncs after the
-    # last micro-batch (grad norm summed from shards: 1e-4)
+    # last micro-batch (grad norm summed from shards: 1e-4). Then a tied
+    # embedding where only the first stage would pad (one block beside it,
+    # three beside the head): both stages must shard alike.
     padded = [("llama", _pp("1f1b", 1, "parallel.dp=2", "parallel.zero=1",
-                            "model.vocab_size=4096"))]
+                            "model.vocab_size=4096")),
+              ("llama", _pp("1f1b", 1, "parallel.dp=2", "parallel.zero=1", "parallel.pp_layers=[1,3]",
+                            "model.tie_embeddings=true", "model.vocab_size=1024"))]
     results = run_ranks(H.run_cases, 4, cases + padded, timeout=240)
     _check_all(cases, results[0][:len(cases)])
     _check_all(padded, results[0][len(cases):],

@@ -68,6 +68,12 @@ def sum_scalar(value: float, group, device: torch.device) -> float:
     return float(all_reduce_sum_(t, group).item())
 
 
+def max_scalar(value: float, group, device: torch.device) -> float:
+    """Largest value of a Python number over ``group``, in float64."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    return float(all_reduce_max_(t, group).item())
+
+
 def any_true(flag: bool, group, device: torch.device) -> bool:
     """True when ``flag`` is true on any rank of ``group``."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)

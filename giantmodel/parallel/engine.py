@@ -32,7 +32,7 @@ from giantmodel.config.train import OffloadConfig, OptimConfig
 from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor, unique_params
-from giantmodel.parallel.collectives import any_true
+from giantmodel.parallel.collectives import any_true, max_scalar
 from giantmodel.parallel.flat_buffer import padding as flat_padding
 from giantmodel.parallel.fsdp import FSDP
 from giantmodel.parallel.grads import clip_coefficient, clip_grads_
@@ -116,13 +116,18 @@ class TrainEngine:
                         recompute=recompute, recompute_layers=recompute_layers,
                         offload=offload, compile=compile)
             self.parts.append(module)
-        bucket_bytes = int(bucket_mb * 2**20)
-        self.strategy = strategy or build_strategy(
-            dims, zero=parallel.zero, precision=precision, bucket_bytes=bucket_bytes,
-            keep_gathered_numel=parallel.keep_gathered_numel,
-            padding=own_padding(self.parts, dims, bucket_bytes))
         if pending is not None:
-            pending.replay(self.strategy)
+            bucket_bytes = int(bucket_mb * 2**20)
+            pad = own_padding(self.parts, dims, bucket_bytes) if parallel.zero in (1, 2) else 0.0
+            if parallel.zero in (1, 2) and dims.world_size > 1:
+                # One strategy on every rank: the stages holding a tied weight's
+                # two copies sum its gradients shard against shard.
+                pad = max_scalar(pad, dist.group.WORLD, device)
+            strategy = build_strategy(
+                dims, zero=parallel.zero, precision=precision, bucket_bytes=bucket_bytes,
+                keep_gathered_numel=parallel.keep_gathered_numel, padding=pad)
+            pending.replay(strategy)
+        self.strategy = strategy
         self.runner.strategy = self.strategy
         for module in self.parts:
             objective.init_weights(module, device)

@@ -576,7 +576,7 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
-        strategy = layout_strategy(layout, shapes)
+        strategy = layout_strategy(table, layout)
         if layout.lora_rank:
             n_layers = sum(layout.stage_layers[s] for s in stages)
             states = _lora_states(table, layout, shapes, n_layers, shard_degree, style, strategy)
@@ -593,15 +593,21 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     return dict(states), full
 
 
-def layout_strategy(layout: Layout, shapes: list[tuple[int, ...]]) -> str:
-    """The engine's data-parallel strategy on a rank holding parameters of
-    ``shapes`` (:func:`giantmodel.parallel.strategy.strategy_name`, with the
-    padding its flat buffers would have). Under LoRA only the adapters are
-    trained: many small tensors, which the flat buffers share out evenly."""
+def layout_strategy(table: ParamTable, layout: Layout) -> str:
+    """The engine's data-parallel strategy for ``layout``
+    (:func:`giantmodel.parallel.strategy.strategy_name`, with the largest
+    padding any pipeline rank's flat buffers would have: the engine takes the
+    maximum over ranks, so that every stage shards alike). A frozen base
+    (LoRA) keeps the flat buffers, as in the engine."""
     n = layout.dp * layout.cp
     pad = 0.0
     if layout.zero in (1, 2) and n > 1 and not layout.lora_rank:
-        pad = _padding(tuple(math.prod(s) for s in shapes), n, int(layout.bucket_mb * MIB) // 4)
+        bucket = int(layout.bucket_mb * MIB) // 4
+        for r in range(layout.pp):
+            sizes = tuple(math.prod(shape) for s in layout.rank_stages(r)
+                          for shape in stage_params(table, s, layout.num_stages,
+                                                    layout.stage_layers[s], layout.tp))
+            pad = max(pad, _padding(sizes, n, bucket))
     return strategy_name(zero=layout.zero, dp_cp=n, hybrid=layout.dp_replicate > 1,
                          pp=layout.pp, padding=pad)
 

@@ -495,8 +495,7 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     shard = layout.dp_shard * layout.cp
     bucket = min(layout.bucket_mb * MIB, trained * 4)
     exposed = 0.0
-    strategy = layout_strategy(layout, stage_params(table, 0, layout.num_stages,
-                                                    layout.stage_layers[0], layout.tp))
+    strategy = layout_strategy(table, layout)
     if n > 1 and strategy == "own":
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
         reduce = collective_time(hw, cluster, kind, trained * 4, n, stride)
@@ -575,9 +574,10 @@ def fresh_scratch_time(m, layout: Layout, hw) -> float:
     if layout.zero != 2 or offloads_to_host(hw) or not hw.fresh_memory_bw or layout.lora_rank:
         return 0.0
     n = layout.dp * layout.cp
-    shapes = stage_params(param_table(m), 0, layout.num_stages, layout.stage_layers[0], layout.tp)
-    if layout_strategy(layout, shapes) != "own":
+    table = param_table(m)
+    if layout_strategy(table, layout) != "own":
         return 0.0
+    shapes = stage_params(table, 0, layout.num_stages, layout.stage_layers[0], layout.tp)
     flat = layout_sizes([math.prod(s) for s in shapes], owners=n,
                         bucket_numel=int(layout.bucket_mb * MIB) // 4)
     scratch = 4 * flat.largest   # fp32 gradients
