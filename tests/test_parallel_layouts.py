@@ -58,6 +58,12 @@ MIXED = [
     ("llama", ["parallel.dp=2", "parallel.zero=3", "precision=bf16"]),
     ("llama", ["parallel.tp=2", "parallel.sp=true", "precision=bf16"]),
     ("llama", ["parallel.dp=2", "parallel.zero=1", "precision=fp16"]),
+    # zero 1 on FSDP2 (a model two owners cannot balance): bf16 gradients
+    # accumulate unsharded in fp32 between syncs; fp16 with loss scaling
+    ("llama", ["parallel.dp=2", "parallel.zero=1", "precision=bf16", "model.tie_embeddings=true",
+               "model.vocab_size=4096"]),
+    ("llama", ["parallel.dp=2", "parallel.zero=1", "precision=fp16", "model.tie_embeddings=true",
+               "model.vocab_size=4096"]),
 ]
 
 # Zero 1 and 2 where whole-parameter ownership cannot balance two ranks (a tied
