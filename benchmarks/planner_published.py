@@ -53,11 +53,12 @@ class Run:
     seq_len: int
     published_tok_s_gpu: float
     layout: dict | None = None
-    """tp, pp, cp, zero, recompute, precision, micro_batch, schedule ("1f1b": the
-    source's pipeline engine has no interleaving) and stage_layers as the source
-    states them (micro-batch, interleaving and an even or cost-balanced split
-    searched where it does not; recompute: the least that fits); None: the
-    planner's best layout."""
+    """tp, pp, cp, zero, sp, recompute, precision, micro_batch, schedule ("1f1b": the
+    source's pipeline engine has no interleaving), virtual and stage_layers as the
+    source states them (micro-batch, interleaving and an even or cost-balanced split
+    searched where it does not; recompute: the least that fits; a tuple for tp or
+    zero: the values searched where the source states a kind but not a degree);
+    None: the planner's best layout."""
     note: str = ""
     opts: PerfOptions | None = None
     """How the source's stack differs from this engine where the planner models it
@@ -118,13 +119,22 @@ for name, heads, hidden, layers, tp, pp, gpus, batch, tflops in [
 
 # ----------------------------------------------------------------- test set
 LLAMA1 = "Touvron et al. 2023 (LLaMA, arXiv:2302.13971), sec. 2.4 and Table 15, A100-80GB"
+# Sec. 2.4: checkpointing that saves the outputs of the linear layers and recomputes the rest
+# (this engine's selective), with "model and sequence parallelism as described by Korthikanti
+# et al. (2022)" (tensor parallelism with sp); the degrees and data-parallel sharding are not
+# stated, so tp 2-8 and zero 0-3 are searched.
+LLAMA1_LAYOUT = {"tp": (2, 4, 8), "zero": (0, 1, 2, 3), "sp": True, "recompute": "selective",
+                 "precision": "bf16"}
 RUNS += [
     Run(LLAMA1, "llama-65b", llama("llama-65b", 80, 8192, 64, 22016), "a100-80g", 2048, 2048,
-        2048, 380.0, note="380 tokens/s/GPU on 2048 GPUs (sec. 2.4); layout not stated"),
+        2048, 380.0, layout=LLAMA1_LAYOUT,
+        note="380 tokens/s/GPU on 2048 GPUs (sec. 2.4)"),
     Run(LLAMA1, "llama-33b", llama("llama-33b", 60, 6656, 52, 17920), "a100-80g", 2048, 2048,
-        2048, 1.4e12 / (530432 * 3600), note="1.4T tokens in 530,432 GPU-hours"),
+        2048, 1.4e12 / (530432 * 3600), layout=LLAMA1_LAYOUT,
+        note="1.4T tokens in 530,432 GPU-hours"),
     Run(LLAMA1, "llama-13b", llama("llama-13b", 40, 5120, 40, 13824), "a100-80g", 2048, 2048,
-        2048, 1.0e12 / (135168 * 3600), note="1.0T tokens in 135,168 GPU-hours"),
+        2048, 1.0e12 / (135168 * 3600), layout=LLAMA1_LAYOUT,
+        note="1.0T tokens in 135,168 GPU-hours"),
 ]
 LLAMA2 = ("Touvron et al. 2023 (Llama 2, arXiv:2307.09288), Table 2 GPU-hours for 2T tokens, "
           "A100-80GB (GPU count not stated: 2048 assumed)")
@@ -211,12 +221,18 @@ LLAMA3_CP = PerfOptions(cp_masked_attention=False)
 # with fp32 gradients accumulated over the micro-batches and reduce-scattered in fp32 (this
 # engine's zero 2 under pipeline parallelism does the same); and the 8K-token stage ran without
 # activation checkpointing (none stated for the 128K stage: the least that fits is searched).
+# Its pipeline: interleaved, with one layer fewer on the first and the last rank, "the first model
+# chunk on the first stage has only the embedding, and the last model chunk on the last stage
+# has only output projection and loss". With 126 layers on 16 ranks and equal chunks between
+# those two, that is 8 chunks per rank of one layer each: (16 * 8 - 2) * 1 = 126.
+LLAMA3_SPLIT = (0,) + (1,) * 126 + (0,)
 for gpus, cp, seq, tflops in ((8192, 1, 8192, 430), (16384, 1, 8192, 400),
                               (16384, 16, 131072, 380)):
     batch = 16 * 2 ** 20 // seq
     RUNS.append(Run(LLAMA3, f"llama3-405b {gpus} cp{cp}", L31_405B, "h100-sxm", gpus, batch, seq,
                     model_tok_s(tflops, L31_405B, seq),
                     layout={"tp": 8, "pp": 16, "cp": cp, "zero": 2, "precision": "bf16",
+                            "virtual": 8, "stage_layers": LLAMA3_SPLIT,
                             **({"recompute": "none"} if seq == 8192 else {})},
                     note=f"{tflops} TFLOP/s/GPU published", opts=LLAMA3_CP))
 
@@ -249,15 +265,32 @@ def _profile(name: str, consts: dict | None = None):
 def _layouts(run: Run, spec: dict):
     """Every layout the spec allows: stated fields fixed, micro-batch and
     schedule searched where unstated."""
+    for tp, zero in itertools.product(_options(spec, "tp", 1), _options(spec, "zero", 0)):
+        yield from _layouts_at(run, spec, tp, zero)
+
+
+def _options(spec: dict, key: str, default) -> tuple:
+    """A stated value, or the values searched where the source gives a range."""
+    value = spec.get(key, default)
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _layouts_at(run: Run, spec: dict, tp: int, zero: int):
     m = run.model
-    tp, pp, cp = spec.get("tp", 1), spec.get("pp", 1), spec.get("cp", 1)
+    pp, cp = spec.get("pp", 1), spec.get("cp", 1)
     dp = run.gpus // (tp * pp * cp)
+    if dp < 1 or (zero and dp * cp == 1):
+        return
     mbs = [spec["micro_batch"]] if "micro_batch" in spec else [1, 2, 4, 8]
     even = run.source == NARAYANAN   # Megatron (2021) needs equal stages
-    scheds = [("1f1b", 1)] if pp == 1 or spec.get("schedule") == "1f1b" else [("1f1b", 1)] + [
-        ("interleaved_1f1b", v) for v in (2, 3, 4)
-        if (m.num_layers % (pp * v) == 0 if even else m.num_layers >= pp * v)]
-    zero = spec.get("zero", 0)
+    if "virtual" in spec:
+        scheds = [("interleaved_1f1b", spec["virtual"])]
+    elif pp == 1 or spec.get("schedule") == "1f1b":
+        scheds = [("1f1b", 1)]
+    else:
+        scheds = [("1f1b", 1)] + [
+            ("interleaved_1f1b", v) for v in (2, 3, 4)
+            if (m.num_layers % (pp * v) == 0 if even else m.num_layers >= pp * v)]
     for mb, (sched, v) in itertools.product(mbs, scheds):
         if run.global_batch % (mb * dp):
             continue
@@ -274,7 +307,8 @@ def _layouts(run: Run, spec: dict):
         if rc == EVERY_OTHER:
             layers = tuple("full" if i % 2 == 0 else "none" for i in range(m.num_layers))
             rc = "full"
-        yield Layout(tp=tp, pp=pp, dp=dp, dp_shard=dp if zero else 1, cp=cp, sp=tp > 1,
+        yield Layout(tp=tp, pp=pp, dp=dp, dp_shard=dp if zero else 1, cp=cp,
+                     sp=tp > 1 and spec.get("sp", True),
                      zero=zero, virtual=v, schedule=sched, micro_batch=mb, n_micro=n_micro,
                      seq_len=run.seq_len, precision=spec.get("precision", "bf16"),
                      recompute=rc, offload_activations=False, stage_layers=split,

@@ -99,7 +99,10 @@ EXACT_EXTRAS = [("llama", _pp("1f1b", 1, "recompute=full")),
                 ("gpt", _pp("zbv", 2, "model.tie_embeddings=true")),
                 ("llama", _pp("zero_bubble", 1)),
                 # 8 sequences per step, re-cut into 8 pipeline micro-batches of 1.
-                ("gpt", _pp("1f1b", 1, "parallel.pp_microbatches=8"))]
+                ("gpt", _pp("1f1b", 1, "parallel.pp_microbatches=8")),
+                # Llama 3's split: more stages than blocks, the first chunk holding only the
+                # embedding and the last only the head.
+                ("llama", _pp("interleaved_1f1b", 3, "parallel.pp_layers=[0,1,1,1,1,0]"))]
 LOW_PRECISION = [("llama", _pp("1f1b", 1, "precision=bf16")),
                  ("gpt", _pp("zbv", 2, "precision=fp16"))]
 
@@ -233,6 +236,10 @@ def test_pipeline_validation_names_the_keys():
     cfg = H.make_config("llama", _pp("interleaved_1f1b", 4))
     with pytest.raises(ConfigError, match="num_layers"):
         validate_pipeline(cfg, 2, 1)
+    # More stages than blocks is allowed when the split is given (empty edge chunks).
+    cfg = H.make_config("llama", _pp("interleaved_1f1b", 4, "parallel.pp_microbatches=2",
+                                     "parallel.pp_layers=[0,1,1,1,1,0,0,0]"))
+    assert validate_pipeline(cfg, 2, 1).layer_counts == (0, 1, 1, 1, 1, 0, 0, 0)
     # Stage order must follow rank order inside each pipeline group.
     check_pipeline_placement(ParallelDims(world_size=4, dp_replicate=2, pp=2,
                                           placement=[1, 0, 3, 2]).mesh_layout(), 2)

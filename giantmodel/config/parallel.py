@@ -38,7 +38,7 @@ class ParallelConfig:
     pp_virtual: int = 1
     """Virtual stages (model chunks) per pipeline rank, for interleaved_1f1b, zero_bubble and zbv."""
     pp_layers: list[int] | None = None
-    """Hand-made split: transformer layers per stage (pp*pp_virtual entries); null balances by cost."""
+    """Hand-made split: transformer layers per stage (pp*pp_virtual entries); null balances by cost. A stage may hold none: [0, 1, ..., 1, 0] runs the embedding and the head as chunks of their own (Llama 3's split), so pp*pp_virtual may exceed model.num_layers."""
     pp_microbatches: int | None = None
     """Micro-batches per pipeline step; null derives it from train.global_batch_size / (micro_batch_size * dp)."""
     cp: int = 1

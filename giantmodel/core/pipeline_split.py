@@ -213,10 +213,12 @@ def plan_pipeline(*, model: ModelConfig, train: TrainConfig, parallel: ParallelC
             f"{p.pp_schedule} needs; raise train.global_batch_size, lower "
             "train.micro_batch_size, or set parallel.pp_microbatches", key)
     stages = pp * p.pp_virtual
-    if model.num_layers < stages:
+    # A split given by hand may leave stages without blocks (Llama 3's first chunk holds only the
+    # embedding, its last only the head); the automatic split gives every stage one at least.
+    if model.num_layers < stages and p.pp_layers is None:
         raise ConfigError(
-            f"model.num_layers={model.num_layers} is fewer than pp*pp_virtual={stages} stages",
-            "parallel.pp")
+            f"model.num_layers={model.num_layers} is fewer than pp*pp_virtual={stages} stages; "
+            "lower parallel.pp or parallel.pp_virtual, or give parallel.pp_layers", "parallel.pp")
     counts = layers_per_stage(model, seq_len=train.seq_len, num_stages=stages,
                               pp_layers=p.pp_layers)
     return PipelinePlan(pp=pp, schedule=p.pp_schedule, virtual=p.pp_virtual, n_micro=n_micro,
