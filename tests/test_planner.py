@@ -290,6 +290,39 @@ def test_selective_matmuls_cost_their_forward_once_more():
             == layer_time(m, lay, hw, cluster, PerfOptions(), mode)
 
 
+def test_pipeline_transfers_overlap_only_under_the_multi_stage_runtime():
+    """1F1B waits on each stage's sends and receives, so every hop adds to the
+    stage time; the interleaved runtime posts receives early and waits on sends
+    at the end of the step, so only the fill and drain pay for them."""
+    from dataclasses import replace
+
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.layout import Layout
+    from giantmodel.planner.perf import PerfOptions, estimate_time, hop_time, stage_times
+
+    m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=32000, max_seq_len=4096)
+    cluster = Cluster(4, 8)
+    one = Layout(tp=8, pp=4, dp=1, dp_shard=1, cp=1, sp=True, zero=0, virtual=1,
+                 schedule="1f1b", micro_batch=1, n_micro=16, seq_len=4096, precision="bf16",
+                 recompute="none", offload_activations=False, stage_layers=(8,) * 4)
+    inter = replace(one, virtual=2, schedule="interleaved_1f1b", stage_layers=(4,) * 8)
+    fast, slow = get_profile("h100-sxm"), replace(get_profile("h100-sxm"), inter_bw=1e9)
+    opts = PerfOptions()
+    for lay, hops in ((one, 1), (inter, 0)):
+        added = [b.total - a.total for a, b in zip(stage_times(m, lay, fast, cluster, opts),
+                                                   stage_times(m, lay, slow, cluster, opts))]
+        extra = 2 * (hop_time(m, lay, slow, cluster) - hop_time(m, lay, fast, cluster))
+        assert added == pytest.approx([hops * lay.virtual * extra] * 4)
+    step = {hw.inter_bw: estimate_time(m, inter, hw, cluster, 64, opts).step_s for hw in (fast, slow)}
+    fill_drain = 2 * 3 * (hop_time(m, inter, slow, cluster) - hop_time(m, inter, fast, cluster))
+    assert step[slow.inter_bw] - step[fast.inter_bw] == pytest.approx(fill_drain)
+    # on a CPU host the transfers share the ranks' cores: never hidden
+    cpu = get_profile("cpu")
+    assert stage_times(m, inter, cpu, cluster, opts) != stage_times(
+        m, inter, replace(cpu, inter_bw=cpu.inter_bw / 10), cluster, opts)
+
+
 def test_flat_buffer_sizing_is_greedy_and_fast_at_thousands_of_ranks():
     """The planner sizes ZeRO-1/2 flat buffers for every candidate layout: the
     owner assignment must stay the engine's greedy one (largest first, least

@@ -24,8 +24,10 @@ optimizer. What overlaps follows the engine (giantmodel.parallel):
   reduce-scatters until after the last micro-batch: exposed, once per step;
 * pipeline: point-to-point activations (the fp32 residual stream) on every
   stage boundary, over NVLink or the network depending on where the next
-  stage sits; the schedule's bubble is counted per stage, so a heavy last
-  stage (the head) or first stage costs what it costs and no more.
+  stage sits: in series with compute under 1F1B and GPipe, hidden but on the
+  fill and drain path under the multi-stage schedules (``p2p_overlapped``);
+  the schedule's bubble is counted per stage, so a heavy last stage (the
+  head) or first stage costs what it costs and no more.
 
 Model FLOPs (for TFLOP/s and MFU) follow Narayanan et al. 2021, eq. 3, with
 the recompute pass left out and generalised to any MLP and attention width:
@@ -417,14 +419,12 @@ class StageTime:
 def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> list[StageTime]:
     """Forward and backward time per micro-batch of each pipeline rank: its
     blocks (each under its own recompute mode), the embedding / head on the
-    ranks that hold them, and the point-to-point transfers of every stage it
-    runs (the fp32 residual, sequence-sharded under sp)."""
+    ranks that hold them, and, where the schedule waits on them, the
+    point-to-point transfers of every stage it runs (:func:`hop_time`)."""
     times = {mode: layer_time(m, layout, hw, cluster, opts, mode)
              for mode in {layout.recompute} | set(layout.recompute_layers or ())}
     emb, head = edge_times(m, layout, hw, cluster)
-    tokens = layout.micro_batch * layout.seq_len / layout.cp
-    hop = p2p_time(hw, cluster, tokens * m.hidden_size * 4 / (layout.tp if layout.sp else 1),
-                   layout.world // layout.pp)
+    hop = 0.0 if p2p_overlapped(layout, hw) else hop_time(m, layout, hw, cluster)
     dt_emb, dt_head = dtensor_ops(m, layout)
     dt_block = {mode: block_dtensor_ops(m, layout.tp, layout.sp, layout.precision, mode)
                 for mode in times}
@@ -452,6 +452,24 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
         f, b = _with_host_time(hw, f, b, ops * hw.dtensor_op_s)
         out.append(StageTime(f, b))
     return out
+
+
+def hop_time(m, layout: Layout, hw, cluster: Cluster) -> float:
+    """One stage boundary's point-to-point transfer of one micro-batch: the fp32
+    residual stream, sequence-sharded under sp, to the next pipeline rank."""
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    return p2p_time(hw, cluster, tokens * m.hidden_size * 4 / (layout.tp if layout.sp else 1),
+                    layout.world // layout.pp)
+
+
+def p2p_overlapped(layout: Layout, hw) -> bool:
+    """Whether the schedule hides its stage-to-stage transfers behind compute.
+    torch's multi-stage runtime (interleaved 1F1B, zero bubble, ZBV) posts every
+    receive ahead of its use and waits on sends only at the end of the step;
+    Schedule1F1B and GPipe wait on each batch of sends and receives before the
+    next compute. On a CPU host the transfers run on the ranks' own cores."""
+    return (layout.schedule in ("interleaved_1f1b", "zero_bubble", "zbv")
+            and offloads_to_host(hw))
 
 
 def _with_host_time(hw, fwd: float, bwd: float, host: float) -> tuple[float, float]:
@@ -600,6 +618,11 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
     # 1F1B with uneven stages: the slowest rank sets the steady state; fill and
     # drain pass once through every other rank (shortened by the schedule).
     pipe = m_count * t_mb + (sum(totals) - t_mb) / _fill_drain_divisor(layout)
+    if layout.pp > 1 and p2p_overlapped(layout, hw):
+        # hidden in the steady state, the transfers still lie on the fill and
+        # drain path: the first micro-batch's forward to the last rank, its
+        # backward back
+        pipe += 2 * (layout.pp - 1) * hop_time(m, layout, hw, cluster)
     bubble = pipe - m_count * t_mb
     slow = st[totals.index(t_mb)]
     if layout.offload_activations and offloads_to_host(hw):
