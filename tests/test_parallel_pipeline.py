@@ -151,6 +151,10 @@ def test_pp2_with_tp_sp_dp_zero_cp_tied_matches_single_process():
         ("gpt", _pp("interleaved_1f1b", 2, "parallel.dp=2", "parallel.zero=2")),
         ("llama", _pp("1f1b", 1, "parallel.cp=2")),
         ("llama", ["parallel.pp=4", "model.tie_embeddings=true"]),
+        # empty edge chunks with a tied embedding, sharded: the first chunk's embedding and the
+        # last chunk's head are the two copies
+        ("llama", _pp("interleaved_1f1b", 3, "parallel.pp_layers=[0,1,1,1,1,0]", "parallel.dp=2",
+                      "parallel.zero=2", "model.tie_embeddings=true")),
     ]
     # zero 1 where the first stage's 4096 x 64 embedding cannot be balanced
     # over two owners: FSDP2 units, which torch's schedule syncs after the
