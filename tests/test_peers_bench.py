@@ -66,3 +66,20 @@ def test_giantmodel_side_uses_the_shared_workload():
     assert (cfg.parallel.dp, cfg.parallel.zero) == (2, 1)
     assert cfg.optim.lr == workload.OPTIM["lr"] and cfg.optim.schedule == "constant"
     assert cfg.train.global_batch_size == case.global_batch
+
+
+def test_gpu_suite_without_cuda_prints_the_planner_prediction(tmp_path, monkeypatch, capsys):
+    """With no CUDA device the GPU suite runs nothing and reports the planner's
+    prediction for the workload, marked as one."""
+    import json
+
+    import gpu
+
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.json"
+    assert run.main(["--suite", "gpu", "--json", str(out)]) == 0
+    assert "PREDICTION, not measured" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    pred = report["prediction"]
+    assert pred["kind"].startswith("prediction") and not report["run"]
+    assert pred["tokens_per_sec"] > 0 and 0.05 < pred["mfu"] < 0.9 and pred["peak_memory_gib"] > 1

@@ -49,7 +49,7 @@ def planner_prediction(case: workload.Case, gpu: str = "h100-sxm") -> dict:
     layout = Layout(tp=1, pp=1, dp=1, dp_shard=1, cp=1, sp=False, zero=0, virtual=1,
                     schedule="1f1b", micro_batch=case.micro_batch, n_micro=n_micro,
                     seq_len=seq, precision="bf16", recompute="none",
-                    offload_activations=False, offload_optimizer=False,
+                    offload_activations=False,
                     stage_layers=(m.num_layers,))
     step = estimate_time(m, layout, hw, Cluster(1, 1), case.global_batch).step_s
     tps = case.global_batch * seq / step

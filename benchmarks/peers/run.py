@@ -248,7 +248,7 @@ def merge(results: list[dict]) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", choices=("cpu", "gpu"), required=True)
     p.add_argument("--cases", default="", help="comma-separated subset of the CPU cases, or none")
@@ -273,7 +273,7 @@ def main() -> int:
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--report", nargs="+", metavar="JSON",
                    help="print the tables of earlier --json files (merged) instead of running")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.suite == "gpu":
         import gpu
         return gpu.main(args)
