@@ -39,8 +39,7 @@ def rank_main(rank: int, world: int, zero: int, steps: int, solo: bool) -> list[
     from giantmodel.parallel.engine import TrainEngine
     from giantmodel.planner import hostcheck
 
-    torch.set_num_threads(1)
-    hostcheck.use_heap_for_blocks_below_32mib()
+    torch.set_num_threads(1)   # the engine sets the heap as training does (core.hostmem)
     if solo:  # one rank's share of the dp2 batch, alone
         train = [t for t in TRAIN if "global_batch" not in t] + ["train.global_batch_size=4"]
         cfg, world = load_config(overrides=MODEL + train), 1
