@@ -60,6 +60,8 @@ class Run:
     zero: the values searched where the source states a kind but not a degree);
     None: the planner's best layout."""
     note: str = ""
+    published_memory_gib: float | None = None
+    """Peak device memory per GPU the source reports, where it does."""
     opts: PerfOptions | None = None
     """How the source's stack differs from this engine where the planner models it
     (e.g. torchtitan's op-level selective policy re-runs every second matmul)."""
@@ -170,12 +172,13 @@ for name, m, seq, mb, rc, wps in [
                     note=f"{wps} WPS, local batch {mb}", opts=TITAN_OP_SAC))
 TITAN_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama 3.1 "
               "8B, FSDP, local batch 2, selective AC, no compile; H100 96GB HBM2e 2.4 TB/s, 500 W")
-for gpus, tps in ((8, 5762), (128, 5605)):
+for gpus, tps, gib in ((8, 5762, 82.4), (128, 5605, 67.0)):
     RUNS.append(Run(TITAN_H100, f"llama3.1-8b x{gpus}", L3_8B, "h100-96g-500w", gpus, 2 * gpus,
-                    8192, float(tps),
+                    8192, float(tps), published_memory_gib=gib,
                     layout={"zero": 3, "recompute": "selective", "precision": "bf16",
                             "micro_batch": 2},
-                    note=f"{tps:,} TPS/GPU; profile = h100-sxm with 96 GB at 2.4 TB/s, 500 W",
+                    note=f"{tps:,} TPS/GPU, {gib} GiB; profile = h100-sxm with 96 GB at 2.4 TB/s, "
+                         "500 W",
                     opts=TITAN_OP_SAC))
 MTNLG = ("Smith et al. 2022 (Megatron-Turing NLG 530B with DeepSpeed, arXiv:2201.11990) sec. 2.4, "
          "as restated in llm-analysis's examples/megatron-turing-nlg: 8-way tensor x 35-way pipeline, "
@@ -329,7 +332,7 @@ def predict(run: Run, consts: dict | None = None) -> tuple[float, str]:
                 if res is None:
                     continue
                 lay = res[0]
-            fits = memory_report(run.model, lay, hw).fits
+            fits = _memory(run, lay, hw).fits
             perf = estimate_time(run.model, lay, hw, cluster, run.global_batch, opts)
             cand = (perf.tokens_per_sec, lay.describe() + ("" if fits else " (over memory)"))
             # a published micro-batch is timed as run; a searched one must fit,
@@ -353,6 +356,28 @@ def predict(run: Run, consts: dict | None = None) -> tuple[float, str]:
     # time so that the rows do not depend on other load on the host
     cands = search(cfg, hw, cluster, opts, clock=time.process_time)
     return cands[0].perf.tokens_per_sec / run.gpus, "planner: " + cands[0].layout.describe()
+
+
+def _memory(run: Run, lay: Layout, hw):
+    """The planner's memory for the layout, with the activations the source's
+    selective policy re-runs instead of keeping left out."""
+    return memory_report(run.model, lay, hw,
+                         recomputed=run.opts.selective_matmuls if run.opts else ())
+
+
+def memory_rows() -> list[dict]:
+    """Predicted peak memory per GPU against the sources that report it: the
+    stated layout at the stated micro-batch (no search)."""
+    out = []
+    for run in RUNS:
+        if run.published_memory_gib is None:
+            continue
+        hw = _profile(run.gpu)
+        lay = next(iter(_layouts(run, run.layout)))
+        peak = _memory(run, lay, hw).peak_bytes_per_rank / 2**30
+        out.append({"run": run.name, "layout": lay.describe(), "published_gib": run.published_memory_gib,
+                    "predicted_gib": peak, "error": peak / run.published_memory_gib - 1})
+    return out
 
 
 def published_mfu(run: Run) -> float:
@@ -474,9 +499,14 @@ def main(argv=None) -> int:
     print("constants:", {k: getattr(hardware.BUILTIN["a100-80g"], k) for k in
                          ("matmul_efficiency", "matmul_tile_knee", "matmul_k_knee",
                           "attention_efficiency", "memory_efficiency", "link_efficiency")})
+    memory = memory_rows()
+    for r in memory:
+        print(f"memory {r['run']:<20} published {r['published_gib']:.1f} GiB, planner "
+              f"{r['predicted_gib']:.1f} GiB ({r['error'] * 100:+.1f}%)  {r['layout']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "summary": summary, "baseline_mfu": mfu}, f, indent=2)
+            json.dump({"rows": rows, "summary": summary, "baseline_mfu": mfu, "memory": memory},
+                      f, indent=2)
     return 0
 
 

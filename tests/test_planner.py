@@ -290,6 +290,27 @@ def test_selective_matmuls_cost_their_forward_once_more():
             == layer_time(m, lay, hw, cluster, PerfOptions(), mode)
 
 
+def test_selective_matmuls_that_are_rerun_are_not_kept():
+    """A policy that re-runs wk, wo and w3 (torchtitan's op-level selective) keeps
+    this engine's selective activations less exactly those three outputs; the
+    other modes do not change."""
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.memory import layer_activation_bytes
+
+    m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192)
+    args = ("bf16", "selective", 2, 8192)
+    plain = layer_activation_bytes(m, *args)
+    titan = layer_activation_bytes(m, *args, recomputed=("wk", "wo", "w3"))
+    assert set(plain) - set(titan) == {"attention.wk_out", "attention.wo_out",
+                                       "feed_forward.w3_out"}
+    tokens = 2 * 8192
+    assert sum(plain.values()) - sum(titan.values()) == 2 * tokens * (1024 + 4096 + 14336)
+    for mode in ("none", "full"):
+        assert layer_activation_bytes(m, "bf16", mode, 2, 8192, recomputed=("wk",)) \
+            == layer_activation_bytes(m, "bf16", mode, 2, 8192)
+
+
 def test_pipeline_transfers_overlap_only_under_the_multi_stage_runtime():
     """1F1B waits on each stage's sends and receives, so every hop adds to the
     stage time; the interleaved runtime posts receives early and waits on sends

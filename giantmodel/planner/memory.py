@@ -379,25 +379,37 @@ _ACTS: dict[tuple, dict[str, float]] = {}
 
 def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_len: int,
                            tp: int = 1, sp: bool = False, cp: int = 1,
-                           lora: tuple[int, tuple[str, ...]] | None = None) -> dict[str, float]:
+                           lora: tuple[int, tuple[str, ...]] | None = None,
+                           recomputed: tuple[str, ...] = ()) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch, by tensor name.
     ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens.
-    ``lora``: (rank, adapted paths) of a frozen base (:func:`layer_terms`)."""
-    key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora)
+    ``lora``: (rank, adapted paths) of a frozen base (:func:`layer_terms`).
+    ``recomputed``: block matmuls (``wq`` ... ``w3``) whose outputs a selective
+    policy re-runs instead of keeping (another stack's policy; this engine's
+    keeps them all)."""
+    key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
+           recomputed)
     if key not in _ACTS:
         _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp,
-                                             cp, lora)
+                                             cp, lora, recomputed)
     return dict(_ACTS[key])
 
 
-def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp, lora):
+def _matmul_output(name: str) -> str:
+    """The saved-tensor name of a block matmul's output (``wk`` -> attention.wk_out)."""
+    return f"{'attention' if name in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}.{name}_out"
+
+
+def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
+                            recomputed=()):
     tokens = micro_batch * seq_len / cp
     terms = layer_terms(m, precision, lora)
     if mode == "full":
         first = terms[0]  # the block input (fp32 residual)
         return {"block.input": _term_bytes(first, tokens, tp, sp, cp)}
     if mode == "selective":
-        terms = selective_terms(m, precision, tp, sp, cp)
+        dropped = {_matmul_output(n) for n in recomputed}
+        terms = [t for t in selective_terms(m, precision, tp, sp, cp) if t.name not in dropped]
     out = {t.name: _term_bytes(t, tokens, tp, sp, cp) for t in terms}
     if cp > 1 and mode == "none":
         # context-parallel attention builds a boolean causal mask [s/cp, s]
@@ -619,7 +631,7 @@ def _padding(sizes: tuple[int, ...], owners: int, bucket_numel: int) -> float:
 
 
 def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
-                prefetch_layers: int = 1) -> RankMemory:
+                prefetch_layers: int = 1, recomputed: tuple[str, ...] = ()) -> RankMemory:
     table = param_table(m)
     stages = layout.rank_stages(pp_rank)
     ns = layout.num_stages
@@ -656,7 +668,7 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     b, s = layout.micro_batch, layout.seq_len
     lora = (layout.lora_rank, layout.lora_paths) if layout.lora_rank else None
     by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
-                                            layout.sp, layout.cp, lora)
+                                            layout.sp, layout.cp, lora, recomputed)
                for mode in set(modes) | {"none", layout.recompute}}
     per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
@@ -722,6 +734,9 @@ def zero3_kept_numel(m, layout: Layout) -> tuple[float, bool]:
     return float(kept), keep_edges
 
 
-def memory_report(m, layout: Layout, hw, style: str = "autocast") -> MemoryReport:
-    ranks = [rank_memory(m, layout, r, hw, style) for r in range(layout.pp)]
+def memory_report(m, layout: Layout, hw, style: str = "autocast",
+                  recomputed: tuple[str, ...] = ()) -> MemoryReport:
+    """Every pipeline rank's peak; ``recomputed`` as in :func:`layer_activation_bytes`."""
+    ranks = [rank_memory(m, layout, r, hw, style, recomputed=recomputed)
+             for r in range(layout.pp)]
     return MemoryReport(ranks, hw.memory_bytes if hw is not None else float("inf"))
