@@ -102,7 +102,9 @@ EXACT_EXTRAS = [("llama", _pp("1f1b", 1, "recompute=full")),
                 ("gpt", _pp("1f1b", 1, "parallel.pp_microbatches=8")),
                 # Llama 3's split: more stages than blocks, the first chunk holding only the
                 # embedding and the last only the head.
-                ("llama", _pp("interleaved_1f1b", 3, "parallel.pp_layers=[0,1,1,1,1,0]"))]
+                ("llama", _pp("interleaved_1f1b", 3, "parallel.pp_layers=[0,1,1,1,1,0]")),
+                ("llama", _pp("zbv", 2, "parallel.pp_layers=[0,2,2,0]")),
+                ("gpt", _pp("1f1b", 1, "parallel.pp_layers=[4,0]"))]
 LOW_PRECISION = [("llama", _pp("1f1b", 1, "precision=bf16")),
                  ("gpt", _pp("zbv", 2, "precision=fp16"))]
 
