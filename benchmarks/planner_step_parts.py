@@ -45,7 +45,7 @@ def rank_main(rank: int, world: int, zero: int, steps: int, solo: bool) -> list[
         cfg, world = load_config(overrides=MODEL + train), 1
     else:
         cfg = load_config(overrides=MODEL + TRAIN + ["parallel.dp=2", f"parallel.zero={zero}"])
-        name, opts = backend_for(cfg.comm, "cpu", world, world)
+        name, opts = backend_for(cfg.comm, "cpu", world)
         dist.init_process_group(name, rank=rank, world_size=world, pg_options=opts)
     dims = ParallelDims.from_config(cfg, world)
     if world > 1:

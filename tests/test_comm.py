@@ -289,10 +289,37 @@ def _hier_worker(rank, world, cache_dir):
                 # dtype once more: up to half an ulp of 8 per node in bf16
                 rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 6e-2)
                 assert torch.allclose(t.float(), want.float(), rtol=rtol, atol=atol), (dtype, n, op)
-    # ops without a hierarchical path are delegated and still exact
+    # reduce-scatter and all-gather take the two-level path too: block r of
+    # the result is rank r's, whichever node holds it
+    calls = []
+    for name in ("reduce_scatter", "all_gather"):
+        inner = getattr(giant._hier, name)
+        setattr(giant._hier, name, lambda *a, _f=inner, _n=name: (calls.append(_n), _f(*a))[1])
+    for dtype in (torch.float32, torch.bfloat16):
+        # 1_000_003 fp32 per block: 16 MB in all, cut into pieces
+        for n in (1, 3, 1001, 250_007, 1_000_003):
+            parts = [_data(world * n, r, dtype, salt=5) for r in range(world)]
+            for op, red in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                            ("avg", dist.ReduceOp.AVG)):
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, parts[rank].clone(), op=red, group=giant)
+                want = _ref_reduce(parts, op, dtype)[rank * n:(rank + 1) * n]
+                rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 6e-2)
+                assert torch.allclose(out.float(), want.float(), rtol=rtol, atol=atol), \
+                    (dtype, n, op)
+            g = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(g, parts[rank][:n].clone(), group=giant)
+            assert torch.equal(g, torch.cat([p[:n] for p in parts])), (dtype, n)
     g = torch.empty(4 * world)
-    dist.all_gather_single(g, torch.full((4,), float(rank)), group=giant)
+    dist.all_gather_into_tensor(g, torch.full((4,), float(rank)), group=giant)
     assert torch.equal(g, torch.arange(world, dtype=torch.float32).repeat_interleave(4))
+    assert calls.count("reduce_scatter") == 30 and calls.count("all_gather") == 11, calls
+    # a flat all-reduce chosen by the tuner leaves them hierarchical
+    giant.reconfigure(hierarchical=False)
+    out = torch.empty(3)
+    dist.reduce_scatter_tensor(out, torch.full((3 * world,), 1.0), group=giant)
+    assert torch.all(out == world) and calls.count("reduce_scatter") == 31
+    giant.reconfigure(hierarchical=True)
     cfg = CommConfig(backend="giant", autotune_cache_dir=cache_dir)
     first = autotune.tune(giant, cfg, "tiny-test", 300_000)
     second = autotune.tune(giant, cfg, "tiny-test", 300_000)
@@ -364,12 +391,9 @@ def test_config_validation_names_the_key():
 
 def test_backend_for_and_registration():
     # auto: one CPU process needs no group worth accelerating; several get
-    # the giant backend; CUDA gets NCCL at any size
+    # the giant backend, on one host or across hosts; CUDA gets NCCL at any size
     assert backend_for(CommConfig(), "cpu") == ("gloo", None)
     assert backend_for(CommConfig(), "cpu", world_size=4) == ("giant", GiantOptions())
-    assert backend_for(CommConfig(), "cpu", 4, local_world_size=4) == ("giant", GiantOptions())
-    # across hosts gloo: no hierarchical all-gather / reduce-scatter for FSDP2
-    assert backend_for(CommConfig(), "cpu", 4, local_world_size=2) == ("gloo", None)
     assert backend_for(CommConfig(), "cuda", world_size=4) == ("nccl", None)
     assert backend_for(CommConfig(backend="gloo"), "cpu", world_size=4) == ("gloo", None)
     with pytest.raises(ConfigError):

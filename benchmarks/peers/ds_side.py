@@ -211,7 +211,8 @@ def main() -> int:
     if a.rank_from_env:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        r = rank_main(rank, world, a.case, a.steps, a.warmup, json.loads(a.ds_config), False)
+        r = rank_main(rank, world, a.case, a.steps, a.warmup, json.loads(a.ds_config), a.profile,
+                      a.bind_cores)
         Path(f"{a.out}.rank{rank}").write_text(json.dumps(r))
         return 0
     from giantmodel.testing import run_ranks
@@ -221,18 +222,23 @@ def main() -> int:
                          json.loads(a.ds_config), a.profile, a.bind_cores, backend=None,
                          timeout=a.timeout,
                          env={**env_for(case), "LOCAL_SIZE": str(case.ranks)})
-    step = max(sum(r["step_times"]) / len(r["step_times"]) for r in per_rank)
-    r0 = per_rank[0]
-    result = {"system": "deepspeed", "case": a.case, "wall_s": time.perf_counter() - t0,
-              "load_avg": workload.load_avg(),
-              "tokens_per_sec": case.global_batch * workload.seq_len(case) / step, "step_s": step,
-              "loss": r0["losses"][-1], "losses": r0["losses"],
-              "peak_rss_mib": [round(r["peak_rss"] / 2**20, 1) for r in per_rank],
-              "profile": r0["profile"],
-              "settings": {"deepspeed": r0["deepspeed"], "optimizer": r0["optimizer"],
-                           "config": r0["ds_config"]}}
+    result = {"wall_s": time.perf_counter() - t0, "load_avg": workload.load_avg(),
+              **summarize(case, per_rank)}
     Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def summarize(case: workload.Case, per_rank: list[dict]) -> dict:
+    """One run's figures from its ranks' results (the slowest rank sets the step)."""
+    step = max(sum(r["step_times"]) / len(r["step_times"]) for r in per_rank)
+    r0 = per_rank[0]
+    return {"system": "deepspeed", "case": case.name,
+            "tokens_per_sec": case.global_batch * workload.seq_len(case) / step, "step_s": step,
+            "loss": r0["losses"][-1], "losses": r0["losses"],
+            "peak_rss_mib": [round(r["peak_rss"] / 2**20, 1) for r in per_rank],
+            "profile": r0["profile"],
+            "settings": {"deepspeed": r0["deepspeed"], "optimizer": r0["optimizer"],
+                         "config": r0["ds_config"]}}
 
 
 if __name__ == "__main__":

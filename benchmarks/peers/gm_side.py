@@ -96,7 +96,8 @@ def rank_main(rank: int, world: int, case_name: str, steps: int, warmup: int,
 def summarize(case: workload.Case, per_rank: list[dict]) -> dict:
     # The slowest rank sets the pace of a synchronous step.
     step = max(sum(r["step_times"]) / len(r["step_times"]) for r in per_rank)
-    return {"tokens_per_sec": case.global_batch * workload.seq_len(case) / step,
+    return {"system": "giantmodel", "case": case.name,
+            "tokens_per_sec": case.global_batch * workload.seq_len(case) / step,
             "step_s": step, "loss": per_rank[0]["losses"][-1],
             "losses": per_rank[0]["losses"],
             "peak_rss_mib": [round(r["peak_rss"] / 2**20, 1) for r in per_rank],
@@ -121,7 +122,7 @@ def main() -> int:
     case = workload.find_case(a.case)
     if a.rank_from_env:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        r = rank_main(rank, world, a.case, a.steps, a.warmup, tuple(a.extra), False)
+        r = rank_main(rank, world, a.case, a.steps, a.warmup, tuple(a.extra), a.profile)
         Path(f"{a.out}.rank{rank}").write_text(json.dumps(r))
         return 0
     from giantmodel.testing import run_ranks
@@ -129,9 +130,8 @@ def main() -> int:
     t0 = time.perf_counter()
     per_rank = run_ranks(rank_main, case.ranks, a.case, a.steps, a.warmup, tuple(a.extra),
                          a.profile, backend=None, timeout=a.timeout)
-    result = {"system": "giantmodel", "case": a.case, "overrides": a.extra,
-              "wall_s": time.perf_counter() - t0, "load_avg": workload.load_avg(),
-              **summarize(case, per_rank)}
+    result = {"overrides": a.extra, "wall_s": time.perf_counter() - t0,
+              "load_avg": workload.load_avg(), **summarize(case, per_rank)}
     Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -10,8 +10,10 @@ times, alternating the systems; each ratio is the median of the per-rep
 ratios. giantmodel runs at its defaults, and once more with the hand-tuned
 settings in TUNED. The first rep runs ``--steps`` steps (losses compared
 after them) and profiles one extra step of each system; later reps run
-``--quick-steps``. Then the collectives case (giant vs DeepSpeed's
-shared-memory all-reduce). DeepSpeed's environment is made on first use
+``--quick-steps``. Then case 2, the emulated 2-host cluster
+(cluster_case.py; ``--cluster-rates``, skipped with the reason where
+network namespaces cannot be made), and the collectives case (giant vs
+DeepSpeed's shared-memory all-reduce). DeepSpeed's environment is made on first use
 (benchmarks/peers/venvs.py). Megatron-Core and torchtitan have no CPU path
 and are reported as skipped, with the reason.
 """
@@ -33,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
+import ds_side
+import gm_side
 import venvs
 import workload
 
@@ -61,14 +65,46 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _run_side(cmd: list, out: Path, timeout: float) -> dict:
+def _run_side(cmd: list, case: workload.Case, out: Path, timeout: float, summarize) -> dict:
+    """One process per rank, started as torchrun or srun starts them (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment; one thread
+    each), each writing OUT.rank<R>; ``summarize`` (the side's) makes the
+    run's figures from them. A rank that fails stops the others."""
+    from giantmodel.testing.ranks import free_port
+
     t0 = time.perf_counter()
-    proc = subprocess.run([str(c) for c in cmd], env=_env(), capture_output=True, text=True, check=False,
-                          timeout=timeout)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        return {"error": f"exit {proc.returncode}: {tail}", "wall_s": time.perf_counter() - t0}
-    return json.loads(out.read_text())
+    port, n = free_port(), case.ranks
+    with tempfile.TemporaryFile("w+") as log:
+        procs = [subprocess.Popen(
+            [str(c) for c in cmd] + ["--rank-from-env", "--out", str(out)], stdout=log,
+            stderr=subprocess.STDOUT, text=True, env=_env({
+                "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})) for r in range(n)]
+        codes = _wait_ranks(procs, t0 + timeout)
+        files = [Path(f"{out}.rank{r}") for r in range(n)]
+        if not all(f.is_file() for f in files):
+            log.seek(0)
+            tail = "\n".join(log.read().strip().splitlines()[-15:])
+            return {"error": f"exit codes {codes}: {tail}", "wall_s": time.perf_counter() - t0}
+    per_rank = [json.loads(f.read_text()) for f in files]
+    # every rank wrote its figures; a rank that dies afterwards, at exit,
+    # leaves them whole (its exit code is kept beside them)
+    return {"wall_s": time.perf_counter() - t0, "load_avg": workload.load_avg(),
+            **({"exit_codes": codes} if any(codes) else {}), **summarize(case, per_rank)}
+
+
+def _wait_ranks(procs: list, deadline: float) -> list:
+    """Exit codes of every rank; all are killed once one fails or time runs out."""
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode not in (None, 0) for p in procs)
+        if failed or time.perf_counter() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.05)
+    return [p.wait() for p in procs]
 
 
 def run_case(case: workload.Case, ds_python: Path, args, tmp: Path) -> dict:
@@ -82,18 +118,18 @@ def run_case(case: workload.Case, ds_python: Path, args, tmp: Path) -> dict:
         order = list(systems) if rep % 2 == 0 else list(reversed(systems))
         for system in order:
             out = tmp / f"{case.name}-{system}-{rep}.json"
-            common = ["--case", case.name, "--steps", steps, "--warmup", args.warmup,
-                      "--out", out] + (["--profile"] if rep == 0 else [])
+            common = ["--case", case.name, "--steps", steps, "--warmup", args.warmup] + (
+                ["--profile"] if rep == 0 else [])
             if system.startswith("deepspeed"):
-                cmd = [ds_python, HERE / "ds_side.py", *common]
+                cmd, side = [ds_python, HERE / "ds_side.py", *common], ds_side.summarize
                 if system == "deepspeed-bound":
                     cmd.append("--bind-cores")
             else:
-                cmd = [sys.executable, HERE / "gm_side.py", *common]
+                cmd, side = [sys.executable, HERE / "gm_side.py", *common], gm_side.summarize
                 if system == "giantmodel-tuned":
                     for s in TUNED:
                         cmd += ["--set", s]
-            r = _run_side(cmd, out, args.timeout)
+            r = _run_side(cmd, case, out, args.timeout, side)
             systems[system].append(r)
             msg = r.get("error") or (f"{r['tokens_per_sec']:,.0f} tok/s, loss {r['loss']:.5f}, "
                                      f"rss {max(r['peak_rss_mib']):.0f} MiB")
@@ -218,7 +254,7 @@ def cpu_suite(args) -> dict:
             result["cluster"] = cluster_case.run(
                 ds_python, [int(x) for x in args.cluster_rates.split(",")],
                 [int(x) for x in args.cluster_stages.split(",")], args.reps,
-                args.quick_steps, _env(), Path(tmp), say, args.timeout)
+                args.cluster_steps, _env(), Path(tmp), say, args.timeout)
         if not args.no_collectives:
             result["collectives"] = []
             for ranks in args.coll_ranks:
@@ -254,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="", help="comma-separated subset of the CPU cases, or none")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps in the first rep (loss check)")
-    p.add_argument("--quick-steps", type=int, default=10, help="steps in later reps")
+    p.add_argument("--quick-steps", type=int, default=6, help="steps in later reps (the first 2 untimed)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of a run")
     p.add_argument("--no-tuned", action="store_true", help="skip the hand-tuned giantmodel runs")
     p.add_argument("--no-collectives", action="store_true")
@@ -262,10 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run DeepSpeed with each rank pinned to its own cores (its launcher's "
                         "--bind_cores_to_rank), as giantmodel pins them by default "
                         "(train.bind_cores)")
-    p.add_argument("--cluster-rates", default="",
+    p.add_argument("--cluster-rates", default="1000",
                    help="case 2: inter-host link rates (Mbit/s) of the emulated 2-host "
-                        "cluster, comma-separated; empty to skip")
+                        "cluster, comma-separated (the issue's pair: 1000,200); empty to skip")
     p.add_argument("--cluster-stages", default="1,2,3", help="case 2: ZeRO stages")
+    p.add_argument("--cluster-steps", type=int, default=6,
+                   help="case 2: steps per run (the first 2 untimed)")
     p.add_argument("--coll-ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2])
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--titan-assets", help="GPU suite: local Llama 3 tokenizer directory "

@@ -64,9 +64,10 @@ CPU_CASES = (
     Case("pp2", ranks=2, dp=1, zero=0, pp=2),
     Case("dp4-zero1", ranks=4, dp=4, zero=1, global_batch=16),
 )
-# Case 2: 2 emulated hosts x 2 ranks (benchmarks/peers/cluster_case.py), dp4.
-CLUSTER_CASES = tuple(Case(f"2host-zero{z}", ranks=4, dp=4, zero=z, global_batch=16)
-                      for z in (1, 2, 3))
+# Case 2: 2 emulated hosts x 2 ranks (benchmarks/peers/cluster_case.py), dp4,
+# one sequence per rank: there the step is mostly communication.
+CLUSTER_CASES = tuple(Case(f"2host-zero{z}", ranks=4, dp=4, zero=z, global_batch=4,
+                           micro_batch=1) for z in (1, 2, 3))
 # One H100: micro-batch 1, 8 micro-batches per step (32K tokens).
 GPU_CASES = (Case("gpu-1b", ranks=1, dp=1, zero=0, global_batch=8, micro_batch=1, gpu=True),)
 

@@ -34,30 +34,27 @@ def register_backend() -> None:
                                   devices=["cpu", "cuda"])
 
 
-def backend_for(cfg: CommConfig, device_type: str, world_size: int = 1,
-                local_world_size: int | None = None) -> tuple[str, GiantOptions | None]:
+def backend_for(cfg: CommConfig, device_type: str,
+                world_size: int = 1) -> tuple[str, GiantOptions | None]:
     """The backend name and ``pg_options`` to pass to ``init_process_group``.
 
-    "auto" means nccl on CUDA; on CPU, the giant backend for a job of several
-    ranks on one host (its shared-memory core is faster than gloo at every
-    ZeRO stage and in pipelines there: benchmarks/RESULTS.md, peers) and gloo
-    otherwise: for one process, and across hosts, where the collectives
-    FSDP2 needs have no hierarchical path and gloo measured as fast or
-    faster. ``local_world_size`` (ranks on this host, None: all of them)
-    equals ``world_size`` on every rank or on none, so every rank makes the
-    same choice; a host without the C++ core still joins, and its group
-    then runs every collective on gloo. For "giant" the options carry the
-    config's tuning fields to the backend torch creates; its sub-groups
-    inherit them.
+    "auto" means nccl on CUDA; on CPU, the giant backend for every job of
+    several ranks, gloo for one process. On one host its shared-memory core
+    is faster than gloo at every ZeRO stage and in pipelines; across hosts
+    its hierarchical all-reduce, reduce-scatter and all-gather put half or
+    less of gloo's flat-ring bytes on the network (benchmarks/RESULTS.md,
+    peers, cases 1 and 2). The choice depends on the world size alone, so
+    the ranks of an unevenly launched job agree on it too; groups over
+    uneven hosts, and hosts without the C++ core, run their collectives on
+    gloo inside it. For "giant" the options carry the config's tuning fields
+    to the backend torch creates; its sub-groups inherit them.
     """
     cfg.validate()
     backend = cfg.backend
     if backend == "auto":
         if device_type == "cuda":
             return "nccl", None
-        one_host = local_world_size is None or local_world_size == world_size
-        backend = (BACKEND_NAME if device_type == "cpu" and world_size > 1 and one_host
-                   else "gloo")
+        backend = BACKEND_NAME if device_type == "cpu" and world_size > 1 else "gloo"
     if backend == "nccl" and device_type != "cuda":
         raise ConfigError(f"nccl needs CUDA but the device is {device_type!r}; use "
                           "comm.backend=gloo, giant or auto", key="comm.backend")

@@ -2,8 +2,8 @@
 
 ``GiantProcessGroup`` is what ``init_process_group("giant")`` and
 ``new_group(backend="giant")`` return. For CPU tensors on one host it runs the
-C++ shared-memory core; across hosts it runs the hierarchical all-reduce
-(:mod:`giantmodel.comm.hierarchical`). Everything else -- other dtypes and
+C++ shared-memory core; across hosts it runs the hierarchical all-reduce,
+reduce-scatter and all-gather (:mod:`giantmodel.comm.hierarchical`). Everything else -- other dtypes and
 ops, uneven splits, point-to-point, CUDA tensors -- goes to an inner gloo
 (CPU) or NCCL (CUDA) backend over the same store, so a result is either
 accelerated or exactly the stock one, never an approximation.
@@ -350,15 +350,20 @@ class GiantProcessGroup(dist.ProcessGroup):
     # ---- reduce-scatter / all-gather -----------------------------------
     def reduce_scatter_single(self, output, input, opts=None):
         op, scale = _op_and_scale(opts.reduceOp, self._world)
-        ok = (self._fast([input, output], op) and input.dtype == output.dtype
-              and input.numel() == output.numel() * self._world)
+        # Across nodes always hierarchical: gloo's reduce-scatter is an
+        # all-reduce underneath, and the tuner's flat-or-hierarchical choice
+        # (_use_hier) is measured on all-reduce alone.
+        ok = (self._fast([input, output], op, flat_only=self._hier is None)
+              and input.dtype == output.dtype and input.numel() == output.numel() * self._world)
         if not ok:
             return self._delegated(self._inner([input])._reduce_scatter_base(output, input, opts))
 
         def job():
             inp = input.contiguous()
             out = output if output.is_contiguous() else torch.empty_like(output)
-            if out.numel():
+            if out.numel() and self.topology.num_nodes > 1:
+                self._hier.reduce_scatter(inp, out, op, scale)
+            elif out.numel():
                 self._shm.reduce_scatter_scaled(inp, out, op, scale)
             if out is not output:
                 output.copy_(out)
@@ -382,15 +387,17 @@ class GiantProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_single(output_tensors[0], flat, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        ok = (self._fast([input, output], reduces=False) and input.dtype == output.dtype
-              and output.numel() == input.numel() * self._world)
+        ok = (self._fast([input, output], reduces=False, flat_only=self._hier is None)
+              and input.dtype == output.dtype and output.numel() == input.numel() * self._world)
         if not ok:
             return self._delegated(self._inner([input])._allgather_base(output, input, opts))
 
         def job():
             inp = input.contiguous()
             out = output if output.is_contiguous() else torch.empty_like(output)
-            if inp.numel():
+            if inp.numel() and self.topology.num_nodes > 1:
+                self._hier.all_gather(inp, out)
+            elif inp.numel():
                 self._shm.all_gather(inp, out)
             if out is not output:
                 output.copy_(out)

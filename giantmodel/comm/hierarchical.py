@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce across nodes.
+"""Hierarchical collectives across nodes: all-reduce, reduce-scatter, all-gather.
 
 With L ranks per node and N nodes, an all-reduce of S bytes runs as
   1. intra-node reduce-scatter in shared memory: local rank i holds the
@@ -9,6 +9,13 @@ With L ranks per node and N nodes, an all-reduce of S bytes runs as
   3. intra-node all-gather in shared memory of the finished slices.
 A flat ring over all N*L ranks sends 2(NL-1)/(NL) * S per rank over TCP; this
 sends 2(N-1)/N * S/L, and the shared-memory legs run near memory speed.
+
+Reduce-scatter and all-gather (what ZeRO's gradient and parameter shards and
+FSDP2 use) take the same two levels: a shared-memory reduce-scatter inside
+the node, then an all-to-all among the local ranks i of every node, each node
+summing what it receives; all-gather is the mirror image. Per rank the
+network carries (N-1)/N * S/L, where a flat ring over all ranks carries
+(NL-1)/(NL) * S: with 2 ranks per node, half as much or less.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ _GLOO_OPS = {OP_SUM: dist.ReduceOp.SUM, OP_MAX: dist.ReduceOp.MAX, OP_MIN: dist.
 
 
 class HierarchicalAllReduce:
-    """Runs all-reduce over (shared memory within nodes) x (gloo across nodes).
+    """Runs all-reduce, reduce-scatter and all-gather over (shared memory
+    within nodes) x (gloo across nodes).
 
     The tensor is cut into pieces so the legs overlap: while gloo carries
     piece k between nodes (on its own threads), this rank already
@@ -37,6 +45,13 @@ class HierarchicalAllReduce:
     def __init__(self, shm: ShmGroup, store, topo: Topology, timeout: timedelta):
         self.shm = shm
         self.local_size = topo.local_size
+        self.num_nodes = topo.num_nodes
+        self.node_index = topo.node_index
+        # Group rank of (local rank l, node n) at position l * N + n: the
+        # order the two-level legs leave the blocks in. Nodes need not hold
+        # consecutive ranks (Slurm's cyclic distribution does not).
+        self._order = torch.tensor([node[lr] for lr in range(topo.local_size)
+                                    for node in topo.nodes], dtype=torch.long)
         # Local rank i of every node forms one cross-node group.
         self.cross = dist.ProcessGroupGloo(
             dist.PrefixStore(f"cross/{topo.local_rank}/", store), topo.node_index,
@@ -81,3 +96,64 @@ class HierarchicalAllReduce:
             self.shm.all_gather(parts[k], chunks[k])
         if padded is not flat:
             flat.copy_(padded[:n])
+
+    def _pieces(self, block: int, itemsize: int) -> list[tuple[int, int]]:
+        """Column ranges [c0, c1) of every block: pieces of about PIECE_BYTES
+        across the whole tensor, so the network carries piece k while this
+        rank copies and reduces piece k+1 in shared memory."""
+        total = block * itemsize * self.num_nodes * self.local_size
+        n = max(1, min(16, total // self.PIECE_BYTES, block))
+        edges = [block * k // n for k in range(n + 1)]
+        return list(zip(edges[:-1], edges[1:]))
+
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: int,
+                       scale: float) -> None:
+        """``out = op(block r of inp over ranks)`` for this rank r; ``inp``
+        holds one contiguous block of ``out.numel()`` elements per group rank."""
+        N, b = self.num_nodes, out.numel()
+        blocks = inp.view(-1, b)
+        pieces = self._pieces(b, inp.element_size())
+        widest = max(c1 - c0 for c0, c1 in pieces)
+        local_major = self._buffer(inp.dtype, blocks.size(0) * widest, 0)
+        partial = self._buffer(inp.dtype, N * b, 1)
+        received = self._buffer(inp.dtype, N * b, 2)
+        inner_op = OP_SUM if op == OP_AVG else op
+        works = []
+        for c0, c1 in pieces:
+            w = c1 - c0
+            lm = local_major[:blocks.size(0) * w].view(-1, w)
+            torch.index_select(blocks[:, c0:c1], 0, self._order, out=lm)
+            # this local rank's piece of every node's block, summed over the node
+            mine = partial[N * c0:N * c1]
+            self.shm.reduce_scatter_scaled(lm.view(-1), mine, inner_op, 1.0)
+            # piece n goes to node n; what comes back is this rank's piece from each node
+            works.append(self.cross.alltoall_base(received[N * c0:N * c1], mine, [], [],
+                                                  dist.AllToAllOptions()))
+        for (c0, c1), work in zip(pieces, works):
+            work.wait()
+            parts = received[N * c0:N * c1].view(N, c1 - c0)
+            dst = out.view(-1)[c0:c1]
+            if inner_op == OP_SUM:
+                torch.sum(parts, dim=0, out=dst)
+            else:
+                dst.copy_((torch.amax if inner_op == OP_MAX else torch.amin)(parts, dim=0))
+        if op == OP_AVG:
+            out.mul_(scale)
+
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` holds one block per group rank, block r being rank r's ``inp``."""
+        N, b = self.num_nodes, inp.numel()
+        src, blocks = inp.view(-1), out.view(-1, b)
+        pieces = self._pieces(b, inp.element_size())
+        widest = max(c1 - c0 for c0, c1 in pieces)
+        gathered = self._buffer(inp.dtype, N * b, 1)
+        # the network gets every piece at once; the shared-memory legs follow
+        works = [self.cross._allgather_base(gathered[N * c0:N * c1], src[c0:c1])
+                 for c0, c1 in pieces]
+        local_major = self._buffer(inp.dtype, blocks.size(0) * widest, 0)
+        for (c0, c1), work in zip(pieces, works):
+            work.wait()
+            w = c1 - c0
+            lm = local_major[:blocks.size(0) * w]
+            self.shm.all_gather(gathered[N * c0:N * c1], lm)
+            blocks[:, c0:c1].index_copy_(0, self._order, lm.view(-1, w))

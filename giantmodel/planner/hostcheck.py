@@ -173,7 +173,7 @@ def _init_group(cfg, rank: int, world: int) -> None:
     ranks on one host), so the profile and the steps measure that backend."""
     import torch.distributed as dist
 
-    name, opts = backend_for(cfg.comm, "cpu", world, world)
+    name, opts = backend_for(cfg.comm, "cpu", world)
     dist.init_process_group(name, rank=rank, world_size=world, pg_options=opts)
 
 

@@ -373,8 +373,7 @@ def _init_default_group(device: str) -> None:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    backend, options = backend_for(CommConfig(), device.split(":")[0], world,
-                                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    backend, options = backend_for(CommConfig(), device.split(":")[0], world)
     dist.init_process_group(backend, pg_options=options)
 
 

@@ -104,8 +104,7 @@ class Trainer:
         self.device = pick_device(cfg.train.device, self.info)
         if self.device.type == "cpu" and cfg.train.bind_cores:
             bind_cpu_cores(self.info, cfg.train.threads)
-        backend, pg_options = backend_for(cfg.comm, self.device.type, self.info.world_size,
-                                          self.info.local_world_size)
+        backend, pg_options = backend_for(cfg.comm, self.device.type, self.info.world_size)
         init_distributed(backend, cfg.parallel.timeout_s, self.device, self.info, pg_options)
         # a caller may have created the process group already (tests, notebooks)
         self.backend = backend = (torch.distributed.get_backend()
