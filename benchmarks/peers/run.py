@@ -169,10 +169,17 @@ def summarize(systems: dict) -> dict:
 
 
 def collectives_case(ds_python: Path, ranks: int, tmp: Path, timeout: float) -> dict:
+    """Case 3 in DeepSpeed's environment (collectives.py starts its own ranks)."""
     out = tmp / f"collectives-{ranks}.json"
-    r = _run_side([ds_python, HERE / "collectives.py", "--ranks", ranks, "--out", out],
-                  out, timeout)
-    return r
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(c) for c in (ds_python, HERE / "collectives.py", "--ranks",
+                                            ranks, "--out", out)],
+                          env=_env(), capture_output=True, text=True, check=False,
+                          timeout=timeout)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        return {"error": f"exit {proc.returncode}: {tail}", "wall_s": time.perf_counter() - t0}
+    return json.loads(out.read_text())
 
 
 def machine() -> dict:
