@@ -297,6 +297,11 @@ int phase(Comm* c) {
     int rc = wait_flag(c, q, p);
     if (rc != kOk) return rc;
   }
+  // Every peer reached p, but one that timed out waiting for this rank had
+  // reached p too before it gave up: the collective failed there, so it
+  // fails here, rather than succeed on one rank and raise on another.
+  if (c->hdr->abort.load(std::memory_order_acquire))
+    return fail(c, kAborted, "another rank aborted the shared-memory group");
   return kOk;
 }
 

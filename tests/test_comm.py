@@ -19,7 +19,7 @@ from giantmodel.testing import run_ranks
 
 needs_core = pytest.mark.skipif(_lib.skip_reason_for_tests() is not None, reason=str(_lib.skip_reason_for_tests()))
 
-SIZES = (0, 1, 17, 1001, 10_000_000)
+SIZES = (0, 1, 17, 1001, 50_000, 10_000_000)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
           torch.int64)
 
@@ -72,6 +72,10 @@ def _check_all_reduce(rank, world, group, ranks):
                 dist.all_reduce(t, op=red, group=group)
                 want = _ref_reduce(parts, op, dtype)
                 assert _close(t, want, dtype), f"all_reduce {op} {dtype} n={n}"
+                # replicas must stay identical: every rank holds the same bits
+                seen = [torch.empty_like(t) for _ in ranks]
+                dist.all_gather(seen, t, group=group)
+                assert all(torch.equal(x, seen[0]) for x in seen), f"all_reduce {op} {dtype} n={n}"
                 if op in ("max", "min") or not dtype.is_floating_point:
                     g = parts[ranks.index(rank)].clone()  # gloo agrees bit for bit here
                     dist.all_reduce(g, op=red)
