@@ -83,3 +83,38 @@ def test_gpu_suite_without_cuda_prints_the_planner_prediction(tmp_path, monkeypa
     pred = report["prediction"]
     assert pred["kind"].startswith("prediction") and not report["run"]
     assert pred["tokens_per_sec"] > 0 and 0.05 < pred["mfu"] < 0.9 and pred["peak_memory_gib"] > 1
+
+
+def test_ranks_launched_once_serve_several_commands(tmp_path):
+    """The suite launches each system's ranks once and sends them every rep:
+    each command runs its cases in turn, each case in a fresh child with its
+    own process group, and each writes its own figures. A command that fails
+    leaves its error, and the next one starts the ranks again."""
+    import gm_side
+    import launch
+
+    from giantmodel.testing.ranks import free_port
+
+    z1, z3 = workload.find_case("dp2-zero1"), workload.find_case("dp2-zero3")
+    cmd = [sys.executable, Path(run.HERE) / "gm_side.py", "--warmup", 1]
+    with launch.RankGroup(run._local_ranks(cmd, 2), gm_side.summarize, 240) as ranks:
+        got = ranks.run([z1, z3], tmp_path / "a", steps=3, profile=False, port=free_port())
+        first = ranks.procs
+        again = ranks.run([z1], tmp_path / "b", steps=2, profile=False, port=free_port())
+        assert ranks.procs is first     # the same processes served both commands
+        # a case of another rank count: the ranks' children fail, the command reports it
+        bad = ranks.run([workload.find_case("dp4-zero1")], tmp_path / "c", steps=2,
+                        profile=False, port=free_port())
+        assert "error" in bad["dp4-zero1"] and ranks.procs is None
+        after = ranks.run([z1], tmp_path / "d", steps=2, profile=False, port=free_port())
+    assert set(got) == {"dp2-zero1", "dp2-zero3"}
+    for r in [*got.values(), again["dp2-zero1"], after["dp2-zero1"]]:
+        assert "error" not in r, r["error"][-3000:]
+        assert r["tokens_per_sec"] > 0 and r["command_wall_s"] > 0
+    assert len(got["dp2-zero1"]["losses"]) == 3 and len(again["dp2-zero1"]["losses"]) == 2
+    # the same weights and batches: ZeRO-1 and ZeRO-3 train alike, and a
+    # later command starts from the same state
+    assert got["dp2-zero1"]["losses"] == pytest.approx(got["dp2-zero3"]["losses"], rel=1e-5)
+    assert again["dp2-zero1"]["losses"] == pytest.approx(got["dp2-zero1"]["losses"][:2], rel=1e-6)
+    missing = workload.collect("dp2-zero2", str(tmp_path / "none"), gm_side.summarize, "boom")
+    assert missing == {"dp2-zero2": {"error": "boom"}}

@@ -24,15 +24,20 @@ otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import itertools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import ds_side
+import gm_side
+import launch
 import workload
 
 DS_TUNED = {"zero_optimization": {"overlap_comm": True, "contiguous_gradients": True,
@@ -41,39 +46,20 @@ DS_TUNED = {"zero_optimization": {"overlap_comm": True, "contiguous_gradients": 
 HOSTS = [[0, 1], [2, 3]]
 
 
-def systems(ds_python: Path) -> dict[str, list]:
+def systems(ds_python: Path) -> dict[str, tuple[list, object]]:
+    """Each system's command (less ``--serve``) and the summary of its ranks' figures."""
     gm = [sys.executable, HERE / "gm_side.py"]
     ds = [ds_python, HERE / "ds_side.py"]
-    return {"giantmodel": gm, "deepspeed": ds,
-            "deepspeed-tuned": ds + ["--ds-config", json.dumps(DS_TUNED)]}
-
-
-def run_one(cluster, argv: list, case: workload.Case, out: Path, env: dict,
-            timeout: float) -> dict:
-    t0 = time.perf_counter()
-    procs = cluster.popen_ranks(HOSTS, [str(a) for a in argv], env=env)
-    try:
-        codes = cluster.wait_all(procs, timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - a hung run is a result too
-        return {"error": f"{type(e).__name__}: {e}"}
-    files = [Path(f"{out}.rank{r}") for r in range(case.ranks)]
-    if not all(f.is_file() for f in files):
-        return {"error": f"exit codes {codes}"}
-    # Every rank wrote its timings before exiting; a rank that then dies
-    # (DeepSpeed's ranks now and then end in "terminate called without an
-    # active exception" while the interpreter shuts down) leaves a complete
-    # measurement, kept with the exit codes beside it.
-    per_rank = [json.loads(f.read_text()) for f in files]
-    step = max(sum(r["step_times"]) / len(r["step_times"]) for r in per_rank)
-    return {"exit_codes": codes if any(codes) else None,
-            "tokens_per_sec": case.global_batch * workload.seq_len(case) / step,
-            "loss": per_rank[0]["losses"][-1], "wall_s": time.perf_counter() - t0,
-            "peak_rss_mib": [round(r["peak_rss"] / 2**20, 1) for r in per_rank],
-            "profile": per_rank[0].get("profile")}
+    return {"giantmodel": (gm, gm_side.summarize), "deepspeed": (ds, ds_side.summarize),
+            "deepspeed-tuned": (ds + ["--ds-config", json.dumps(DS_TUNED)], ds_side.summarize)}
 
 
 def run(ds_python: Path, rates: list[int], stages: list[int], reps: int, steps: int,
         env: dict, tmp: Path, say=print, timeout: float = 600) -> dict:
+    """Each system's 4 ranks are launched once per link rate and serve every
+    rep (launch.py); each rep runs the systems in turn, alternating their
+    order, and each runs every stage in turn, each in a fresh child of the
+    ranks."""
     from giantmodel.testing.cluster import EmulatedCluster, Link, unavailable_reason
 
     why = unavailable_reason()
@@ -82,27 +68,31 @@ def run(ds_python: Path, rates: list[int], stages: list[int], reps: int, steps: 
         return {"skipped": why}
     out: dict = {"rates_mbit": rates, "results": []}
     cmds = systems(ds_python)
+    cases = [workload.find_case(f"2host-zero{z}") for z in stages]
+    ports = itertools.count(29500, len(cases))
     for rate in rates:
-        with EmulatedCluster(2, link=Link(rate_mbit=rate or None)) as c:
-            for z in stages:
-                case = workload.find_case(f"2host-zero{z}")
-                runs: dict[str, list] = {s: [] for s in cmds}
-                for rep in range(reps):
-                    order = list(cmds) if rep % 2 == 0 else list(reversed(cmds))
-                    for system in order:
-                        path = tmp / f"{rate}-{case.name}-{system}-{rep}.json"
-                        argv = [*cmds[system], "--case", case.name, "--steps", steps,
-                                "--warmup", 2, "--rank-from-env", "--out", path,
-                                *(["--profile"] if rep == 0 else [])]
-                        r = run_one(c, argv, case, path, env, timeout)
-                        runs[system].append(r)
+        runs = {c.name: {s: [] for s in cmds} for c in cases}
+        with EmulatedCluster(2, link=Link(rate_mbit=rate or None)) as c, \
+                contextlib.ExitStack() as stack:
+            ranks = {}
+            for system, (cmd, summary) in cmds.items():
+                argv = [str(a) for a in cmd] + ["--warmup", "2", "--serve"]
+                ranks[system] = stack.enter_context(launch.RankGroup(
+                    functools.partial(c.popen_ranks, HOSTS, argv, env=env), summary, timeout))
+            for rep in range(reps):
+                order = list(cmds) if rep % 2 == 0 else list(reversed(cmds))
+                for system in order:
+                    got = ranks[system].run(cases, tmp / f"{rate}-{system}-{rep}", steps=steps,
+                                            profile=rep == 0, port=next(ports))
+                    for case in cases:
+                        r = got[case.name]
+                        runs[case.name][system].append(r)
                         say(f"  {rate} Mbit/s {case.name} rep {rep + 1} {system:<17} "
                             + (r.get("error") or f"{r['tokens_per_sec']:,.0f} tok/s, "
-                               f"loss {r['loss']:.5f}  ({r['wall_s']:.0f} s)")
-                            + (f"; exit codes {r['exit_codes']} after writing its timings"
-                               if r.get("exit_codes") else ""))
-                out["results"].append({"rate_mbit": rate, "case": case.name, "runs": runs,
-                                       "ratios": _ratios(runs)})
+                               f"loss {r['loss']:.5f}  ({r['command_wall_s']:.0f} s for the "
+                               f"{len(cases)} stages)"))
+        out["results"] += [{"rate_mbit": rate, "case": k.name, "runs": runs[k.name],
+                            "ratios": _ratios(runs[k.name])} for k in cases]
     return out
 
 

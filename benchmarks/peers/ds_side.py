@@ -190,9 +190,20 @@ def rank_main(rank: int, world: int, case_name: str, steps: int, warmup: int,
             "deepspeed": deepspeed.__version__, "ds_config": cfg}
 
 
+def _import_once() -> None:
+    """What every case would load again, loaded once before the cases fork:
+    DeepSpeed, transformers' LLaMA, and DeepSpeed's CPU ops (a JIT load checks
+    the build with ninja: about 2.7 s per process on this host)."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
+
+    for op in ("FusedAdamBuilder", "ShareMemCommBuilder"):
+        get_accelerator().create_op_builder(op).load()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--case", required=True)
+    p.add_argument("--case", help="the case (not with --serve)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ds-config", default="{}", help="JSON merged over the default config")
@@ -201,20 +212,27 @@ def main() -> int:
                    help="pin each rank to its own share of the CPUs, as DeepSpeed's launcher "
                         "does with --bind_cores_to_rank")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--rank-from-env", action="store_true",
+    p.add_argument("--serve", action="store_true",
                    help="be one rank (RANK/WORLD_SIZE/MASTER_ADDR from the environment, as "
-                        "srun or the emulated cluster start it) and write OUT.rank<R>")
-    p.add_argument("--out", required=True)
+                        "srun or the emulated cluster start it) serving the suite's commands "
+                        "on stdin (benchmarks/peers/launch.py); CPU cases only")
+    p.add_argument("--out", help="the JSON to write (not with --serve)")
     a = p.parse_args()
-    case = workload.find_case(a.case)
-    os.environ.update(env_for(case))
-    if a.rank_from_env:
+    if a.serve:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        r = rank_main(rank, world, a.case, a.steps, a.warmup, json.loads(a.ds_config), a.profile,
-                      a.bind_cores)
-        Path(f"{a.out}.rank{rank}").write_text(json.dumps(r))
-        return 0
+        os.environ.update(env_for(workload.CPU_CASES[0]))
+        _import_once()
+
+        def one(name, dest, steps, profile):
+            r = rank_main(rank, world, name, steps, a.warmup, json.loads(a.ds_config), profile,
+                          a.bind_cores)
+            Path(f"{dest}.rank{rank}").write_text(json.dumps(r))
+        return workload.serve(one)
+    if not (a.case and a.out):
+        p.error("--case and --out are needed without --serve")
+    case = workload.find_case(a.case)
+    os.environ.update(env_for(case))
     from giantmodel.testing import run_ranks
 
     t0 = time.perf_counter()

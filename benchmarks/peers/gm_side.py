@@ -108,23 +108,29 @@ def summarize(case: workload.Case, per_rank: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--case", required=True)
+    p.add_argument("--case", help="the case (not with --serve)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--rank-from-env", action="store_true",
+    p.add_argument("--serve", action="store_true",
                    help="be one rank (RANK/WORLD_SIZE/MASTER_ADDR from the environment, as "
-                        "srun or the emulated cluster start it) and write OUT.rank<R>")
-    p.add_argument("--out", required=True)
+                        "srun or the emulated cluster start it) serving the suite's commands "
+                        "on stdin (benchmarks/peers/launch.py)")
+    p.add_argument("--out", help="the JSON to write (not with --serve)")
     a = p.parse_args()
-    case = workload.find_case(a.case)
-    if a.rank_from_env:
+    if a.serve:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        r = rank_main(rank, world, a.case, a.steps, a.warmup, tuple(a.extra), a.profile)
-        Path(f"{a.out}.rank{rank}").write_text(json.dumps(r))
-        return 0
+        import giantmodel.train.trainer  # noqa: F401 - imported once, before the cases fork
+
+        def one(name, dest, steps, profile):
+            r = rank_main(rank, world, name, steps, a.warmup, tuple(a.extra), profile)
+            Path(f"{dest}.rank{rank}").write_text(json.dumps(r))
+        return workload.serve(one)
+    if not (a.case and a.out):
+        p.error("--case and --out are needed without --serve")
+    case = workload.find_case(a.case)
     from giantmodel.testing import run_ranks
 
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ and are reported as skipped, with the reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -37,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 import ds_side
 import gm_side
+import launch
 import venvs
 import workload
 
@@ -65,77 +67,67 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _run_side(cmd: list, case: workload.Case, out: Path, timeout: float, summarize) -> dict:
-    """One process per rank, started as torchrun or srun starts them (RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment; one thread
-    each), each writing OUT.rank<R>; ``summarize`` (the side's) makes the
-    run's figures from them. A rank that fails stops the others."""
+def _local_ranks(cmd: list, n: int):
+    """``start`` for a RankGroup of ``n`` ranks on this host, each started as
+    torchrun or srun starts one (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+    in the environment; one thread)."""
+    def start(**popen_kwargs) -> list[subprocess.Popen]:
+        return [subprocess.Popen([str(c) for c in cmd] + ["--serve"], env=_env({
+            "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}),
+            **popen_kwargs) for r in range(n)]
+    return start
+
+
+def side(system: str, ds_python: Path) -> tuple[list, object]:
+    """A system's command line (less ``--serve``) and its summary."""
+    if system.startswith("deepspeed"):
+        cmd = [ds_python, HERE / "ds_side.py"]
+        return cmd + (["--bind-cores"] if system == "deepspeed-bound" else []), ds_side.summarize
+    cmd = [sys.executable, HERE / "gm_side.py"]
+    if system == "giantmodel-tuned":
+        for s in TUNED:
+            cmd += ["--set", s]
+    return cmd, gm_side.summarize
+
+
+def run_cases(cases: list[workload.Case], ds_python: Path, args, tmp: Path) -> list[dict]:
+    """For each rank count, every system's ranks are launched once and serve
+    every rep (benchmarks/peers/launch.py); each rep runs the systems in
+    turn, alternating their order rep by rep, and each system's ranks run
+    the cases in turn, each case in a fresh child of the ranks."""
     from giantmodel.testing.ranks import free_port
 
-    t0 = time.perf_counter()
-    port, n = free_port(), case.ranks
-    with tempfile.TemporaryFile("w+") as log:
-        procs = [subprocess.Popen(
-            [str(c) for c in cmd] + ["--rank-from-env", "--out", str(out)], stdout=log,
-            stderr=subprocess.STDOUT, text=True, env=_env({
-                "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})) for r in range(n)]
-        codes = _wait_ranks(procs, t0 + timeout)
-        files = [Path(f"{out}.rank{r}") for r in range(n)]
-        if not all(f.is_file() for f in files):
-            log.seek(0)
-            tail = "\n".join(log.read().strip().splitlines()[-15:])
-            return {"error": f"exit codes {codes}: {tail}", "wall_s": time.perf_counter() - t0}
-    per_rank = [json.loads(f.read_text()) for f in files]
-    # every rank wrote its figures; a rank that dies afterwards, at exit,
-    # leaves them whole (its exit code is kept beside them)
-    return {"wall_s": time.perf_counter() - t0, "load_avg": workload.load_avg(),
-            **({"exit_codes": codes} if any(codes) else {}), **summarize(case, per_rank)}
-
-
-def _wait_ranks(procs: list, deadline: float) -> list:
-    """Exit codes of every rank; all are killed once one fails or time runs out."""
-    while any(p.poll() is None for p in procs):
-        failed = any(p.returncode not in (None, 0) for p in procs)
-        if failed or time.perf_counter() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.05)
-    return [p.wait() for p in procs]
-
-
-def run_case(case: workload.Case, ds_python: Path, args, tmp: Path) -> dict:
-    systems = {"giantmodel": [], "giantmodel-tuned": [], "deepspeed": []}
+    systems = ["giantmodel", "giantmodel-tuned", "deepspeed"]
     if args.no_tuned:
-        del systems["giantmodel-tuned"]
+        systems.remove("giantmodel-tuned")
     if args.ds_bound:
-        systems["deepspeed-bound"] = []
-    for rep in range(args.reps):
-        steps = args.steps if rep == 0 else args.quick_steps
-        order = list(systems) if rep % 2 == 0 else list(reversed(systems))
-        for system in order:
-            out = tmp / f"{case.name}-{system}-{rep}.json"
-            common = ["--case", case.name, "--steps", steps, "--warmup", args.warmup] + (
-                ["--profile"] if rep == 0 else [])
-            if system.startswith("deepspeed"):
-                cmd, side = [ds_python, HERE / "ds_side.py", *common], ds_side.summarize
-                if system == "deepspeed-bound":
-                    cmd.append("--bind-cores")
-            else:
-                cmd, side = [sys.executable, HERE / "gm_side.py", *common], gm_side.summarize
-                if system == "giantmodel-tuned":
-                    for s in TUNED:
-                        cmd += ["--set", s]
-            r = _run_side(cmd, case, out, args.timeout, side)
-            systems[system].append(r)
-            msg = r.get("error") or (f"{r['tokens_per_sec']:,.0f} tok/s, loss {r['loss']:.5f}, "
-                                     f"rss {max(r['peak_rss_mib']):.0f} MiB")
-            say(f"  {case.name:<10} rep {rep + 1} {system:<17} {msg}  ({r['wall_s']:.0f} s)")
-    return {"case": workload.case_dict(case), "runs": systems,
-            "summary": summarize(systems)}
+        systems.append("deepspeed-bound")
+    runs = {c.name: {s: [] for s in systems} for c in cases}
+    groups = {n: [c for c in cases if c.ranks == n] for n in dict.fromkeys(c.ranks for c in cases)}
+    for n, group in groups.items():
+        with contextlib.ExitStack() as stack:
+            ranks = {}
+            for system in systems:
+                cmd, summary = side(system, ds_python)
+                cmd += ["--warmup", args.warmup]
+                ranks[system] = stack.enter_context(
+                    launch.RankGroup(_local_ranks(cmd, n), summary, args.timeout))
+            for rep in range(args.reps):
+                order = systems if rep % 2 == 0 else systems[::-1]
+                for system in order:
+                    got = ranks[system].run(
+                        group, tmp / f"{system}-{rep}-{n}ranks", profile=rep == 0,
+                        steps=args.steps if rep == 0 else args.quick_steps, port=free_port())
+                    for case in group:
+                        r = got[case.name]
+                        runs[case.name][system].append(r)
+                        say(f"  {case.name:<10} rep {rep + 1} {system:<17} " + (r.get("error") or (
+                            f"{r['tokens_per_sec']:,.0f} tok/s, loss {r['loss']:.5f}, "
+                            f"rss {max(r['peak_rss_mib']):.0f} MiB  ({r['command_wall_s']:.0f} s "
+                            f"for the {len(group)} case{'s' * (len(group) > 1)})")))
+    return [{"case": workload.case_dict(c), "runs": runs[c.name],
+             "summary": summarize(runs[c.name])} for c in cases]
 
 
 def summarize(systems: dict) -> dict:
@@ -254,8 +246,8 @@ def cpu_suite(args) -> dict:
     else:
         cases = list(workload.CPU_CASES)
     with tempfile.TemporaryDirectory(prefix="gm-peers-") as tmp:
-        for case in cases:
-            result["cases"].append(run_case(case, ds_python, args, Path(tmp)))
+        if cases:
+            result["cases"] = run_cases(cases, ds_python, args, Path(tmp))
         if args.cluster_rates:
             import cluster_case
             result["cluster"] = cluster_case.run(
