@@ -29,14 +29,15 @@ PROFILE = {"sizes": [32, 64, 128, 256, 512], "mem_mb": 32, "attn_seq": 256}
 
 
 @pytest.mark.slow
+@pytest.mark.quiet_host
 @pytest.mark.timeout(500)
 @pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
     "on 2026-11-24 benchmarks/planner_cpu_check.py had all eight layouts within 15% in its four "
     "runs of the final tree (0.86-1.08); this smaller model, timed over three steps, passed two "
     "runs of three: a layout's step moves by up to 25% between runs on the shared host"))
 def test_predicted_step_time_and_rss_on_this_host():
-    # the tests before this one leave the 1-minute load near 2; it decays below 1
-    # within about a minute of quiet
+    # it runs first (tests/conftest.py); a load left by whatever ran before the
+    # suite decays below 1 within about a minute of quiet
     deadline = time.monotonic() + 90
     while os.getloadavg()[0] > 1.0 and time.monotonic() < deadline:
         time.sleep(5)
