@@ -73,8 +73,33 @@ def test_padding_of_whole_parameter_ownership():
     assert [name(z, 1.0) for z in (0, 1, 2, 3)] == ["own", "fsdp", "fsdp", "fsdp"]
 
 
+def test_first_bucket_that_holds_most_gradients_goes_to_fsdp_where_comm_overlaps():
+    from giantmodel.parallel.flat_buffer import padding_and_first_bucket
+    from giantmodel.parallel.strategy import strategy_name
+
+    # many equal parameters balance in small buckets: the first is small
+    pad, first = padding_and_first_bucket([100] * 64, owners=4, bucket_numel=400)
+    assert pad == 0.0 and first == pytest.approx(4 / 64)
+    # one large parameter that backward finishes first (a head) balances over
+    # 4 owners only with nearly everything after it: one bucket, no padding
+    pad, first = padding_and_first_bucket([100] * 30 + [1000], owners=4, bucket_numel=400)
+    assert pad < 0.02 and first == 1.0
+    assert padding_and_first_bucket([100] * 8, owners=1, bucket_numel=10) == (0.0, 0.0)
+
+    def name(zero, first, overlaps, pp=1):
+        return strategy_name(zero=zero, dp_cp=8, hybrid=False, pp=pp, padding=0.01,
+                             first_bucket=first, comm_overlaps=overlaps)
+    # on a GPU the one bucket would leave the whole reduction exposed
+    assert [name(z, 1.0, True) for z in (0, 1, 2)] == ["own", "fsdp", "fsdp"]
+    assert name(1, 0.4, True) == "own"
+    # a CPU's ranks run the collectives themselves; under pipelines the
+    # buckets are reduced after the schedule anyway
+    assert name(1, 1.0, False) == "own" and name(1, 1.0, True, pp=2) == "own"
+
+
 def test_planner_follows_the_engine_to_fsdp_where_buffers_would_pad():
     from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.hardware import cpu_profile
     from giantmodel.planner.layout import Layout
     from giantmodel.planner.memory import layout_strategy, param_table
 
@@ -84,16 +109,21 @@ def test_planner_follows_the_engine_to_fsdp_where_buffers_would_pad():
                     ffn_hidden_size=14336, vocab_size=128256, max_seq_len=8192)
     table = param_table(m)
 
-    def strategy(dp, zero):
+    def strategy(dp, zero, hw=None):
         lay = Layout(tp=1, pp=1, dp=dp, dp_shard=dp, cp=1, sp=False, zero=zero, virtual=1,
                      schedule="1f1b", micro_batch=1, n_micro=1, seq_len=8192, precision="bf16",
                      recompute="none", offload_activations=False, stage_layers=(32,))
-        return layout_strategy(table, lay)
+        return layout_strategy(table, lay, hw)
 
-    assert strategy(8, 1) == "own"
     assert strategy(64, 1) == "fsdp"
     assert strategy(64, 2) == "fsdp"
     assert strategy(64, 0) == "own"
+    # at dp 8 the flat buffers pad by 0.3%, but their first bucket, the head's,
+    # holds every gradient: on a GPU (None: the planner's default device) FSDP2,
+    # on a CPU host the flat buffers; at dp 4 the first bucket is a quarter
+    assert strategy(8, 1) == "fsdp"
+    assert strategy(8, 1, cpu_profile()) == "own"
+    assert strategy(4, 1) == "own"
 
 
 def _strategy_worker(rank, world):

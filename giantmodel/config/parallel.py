@@ -24,7 +24,7 @@ class ParallelConfig:
     dp: int = -1
     """Data-parallel degree; -1 fills whatever ranks tp*pp*cp leave."""
     zero: int = 0
-    """ZeRO stage: 0 replicated (bucketed all-reduce), 1 optimizer states sharded, 2 gradients too, 3 parameters too (FSDP2). Stages 1 and 2 run on flat buffers where each rank owns whole parameters; where whole parameters cannot be shared out evenly (more ranks than a stage's large tensors can balance: the buffers would grow over 10%), they shard dim 0 through FSDP2 instead, with the same traffic per step."""
+    """ZeRO stage: 0 replicated (bucketed all-reduce), 1 optimizer states sharded, 2 gradients too, 3 parameters too (FSDP2). Stages 1 and 2 run on flat buffers where each rank owns whole parameters; where whole parameters cannot be shared out evenly (more ranks than a stage's large tensors can balance: the buffers would grow over 10%), they shard dim 0 through FSDP2 instead, with the same traffic per step. On GPUs they do so too where the first gradient bucket would hold over half the gradients (a large head balanced over many ranks), whose reduction could not overlap backward."""
     shard_group_size: int | None = None
     """Hybrid sharding (HSDP): shard within groups of this many dp ranks and replicate across groups; null shards across all of dp."""
     tp: int = 1

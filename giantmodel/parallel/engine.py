@@ -33,7 +33,7 @@ from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor, unique_params
 from giantmodel.parallel.collectives import any_true, max_scalar
-from giantmodel.parallel.flat_buffer import padding as flat_padding
+from giantmodel.parallel.flat_buffer import MAX_PADDING, padding_and_first_bucket
 from giantmodel.parallel.fsdp import FSDP
 from giantmodel.parallel.grads import clip_coefficient, clip_grads_
 from giantmodel.parallel.objective import Objective
@@ -118,14 +118,18 @@ class TrainEngine:
             self.parts.append(module)
         if pending is not None:
             bucket_bytes = int(bucket_mb * 2**20)
-            pad = own_padding(self.parts, dims, bucket_bytes) if parallel.zero in (1, 2) else 0.0
+            pad = first = 0.0
+            if parallel.zero in (1, 2):
+                pad, first = own_padding(self.parts, dims, bucket_bytes)
             if parallel.zero in (1, 2) and dims.world_size > 1:
                 # One strategy on every rank: the stages holding a tied weight's
                 # two copies sum its gradients shard against shard.
                 pad = max_scalar(pad, dist.group.WORLD, device)
+                first = max_scalar(first, dist.group.WORLD, device)
             strategy = build_strategy(
                 dims, zero=parallel.zero, precision=precision, bucket_bytes=bucket_bytes,
-                keep_gathered_numel=parallel.keep_gathered_numel, padding=pad)
+                keep_gathered_numel=parallel.keep_gathered_numel, padding=pad,
+                first_bucket=first, comm_overlaps=device.type == "cuda")
             pending.replay(strategy)
         self.strategy = strategy
         self.runner.strategy = self.strategy
@@ -196,33 +200,40 @@ class _PendingWrap:
             strategy.wrap(*call)
 
 
-def own_padding(parts: list[nn.Module], dims, bucket_bytes: int) -> float:
+def own_padding(parts: list[nn.Module], dims, bucket_bytes: int) -> tuple[float, float]:
     """What the flat buffers of zero 1/2 would pad this rank's trainable
-    parameters by (:func:`giantmodel.parallel.flat_buffer.padding`). A model
-    with a frozen base (LoRA) trains adapters alone, whose padding costs
-    little; it keeps the flat buffers, which leave the base (4-bit or not)
-    unwrapped."""
+    parameters by, and the share of them in the first bucket
+    (:func:`giantmodel.parallel.flat_buffer.padding_and_first_bucket`). A
+    model with a frozen base (LoRA) trains adapters alone, whose padding costs
+    little and whose reduction is small; it keeps the flat buffers, which
+    leave the base (4-bit or not) unwrapped: (0, 0)."""
     everything = unique_params(parts)
     params = [p for p in everything if p.requires_grad]
     if not params or len(params) < len(everything):
-        return 0.0
+        return 0.0, 0.0
     sizes = [local_tensor(p).numel() for p in params]
     numel = max(1, bucket_bytes // params[0].element_size())
-    return flat_padding(sizes, owners=dims.dp * dims.cp, bucket_numel=numel)
+    return padding_and_first_bucket(sizes, owners=dims.dp * dims.cp, bucket_numel=numel)
 
 
 def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int,
-                   keep_gathered_numel: int = 0, padding: float = 0.0) -> DataParallelStrategy:
+                   keep_gathered_numel: int = 0, padding: float = 0.0, first_bucket: float = 0.0,
+                   comm_overlaps: bool = False) -> DataParallelStrategy:
     """The data-parallel strategy for a layout (see :func:`strategy_name`)."""
-    name = strategy_name(zero=zero, dp_cp=dims.dp * dims.cp, hybrid=dims.dp_replicate > 1,
-                         pp=dims.pp, padding=padding)
+    n = dims.dp * dims.cp
+    name = strategy_name(zero=zero, dp_cp=n, hybrid=dims.dp_replicate > 1, pp=dims.pp,
+                         padding=padding, first_bucket=first_bucket, comm_overlaps=comm_overlaps)
     if name == "none":
         return NoDataParallel(dims)
     if name == "fsdp":
-        if zero in (1, 2) and padding > 0:
+        if zero in (1, 2) and padding > MAX_PADDING:
             log.info("parallel.zero=%d: owning whole parameters would pad the flat buffers by "
-                     "%.0f%% on %d ranks; sharding through FSDP2 instead", zero, 100 * padding,
-                     dims.dp * dims.cp)
+                     "%.0f%% on %d ranks; sharding through FSDP2 instead", zero, 100 * padding, n)
+        elif zero in (1, 2) and first_bucket > 0:
+            log.info("parallel.zero=%d: owning whole parameters, the first gradient bucket would "
+                     "hold %.0f%% of the gradients on %d ranks, so little of their reduction "
+                     "could overlap backward; sharding through FSDP2 instead", zero,
+                     100 * first_bucket, n)
         return FSDP(dims, reshard_after_forward=zero == 3, precision=precision,
                     keep_gathered_numel=keep_gathered_numel,
                     sync_every_microbatch=zero != 1)

@@ -25,6 +25,17 @@ enough parameters to share out. With many owners and few, large parameters
 parameter sets every owner's chunk: the buffers grow to several times the
 model. :func:`padding` measures that, and past :data:`MAX_PADDING` the
 engine shards through FSDP2 instead (``parallel.strategy.strategy_name``).
+
+Short of that, the same merging can leave the first bucket -- the one that
+backward fills first and whose reduction can start earliest -- holding most
+of the gradients: with one large parameter (a 128k-token embedding) per
+several owners, whole parameters balance only over most of the model. Llama
+3 8B at dp 8 is one bucket, with 0.3% padding: no reduction can start
+before backward ends, nor can the parameters' all-gather overlap anything.
+:func:`padding_and_first_bucket` measures both; where the collectives could
+run beside compute (on GPUs) and the first bucket holds more than
+:data:`MAX_FIRST_BUCKET` of the gradients, the engine shards through FSDP2,
+whose per-block units overlap both ways.
 """
 
 from __future__ import annotations
@@ -40,6 +51,10 @@ BALANCE = 0.02
 MAX_PADDING = 0.10
 """Padding (a fraction of the parameters) above which zero 1 and 2 leave the
 flat buffers for FSDP2's even dim-0 shards."""
+MAX_FIRST_BUCKET = 0.5
+"""Share of the gradients in the first bucket above which zero 1 and 2 leave
+the flat buffers for FSDP2 where collectives overlap compute: its reduction
+could hide behind less than half of backward."""
 
 
 @dataclass
@@ -131,6 +146,8 @@ class LayoutSizes:
     """The largest bucket, padding included: the size of zero 2's scratch buffers."""
     buckets: int = 0
     """How many buckets there are."""
+    first: int = 0
+    """Elements of the parameters in the first bucket (the first backward fills)."""
 
 
 def layout_sizes(sizes: list[int], *, owners: int, bucket_numel: int, rank: int = 0,
@@ -140,6 +157,7 @@ def layout_sizes(sizes: list[int], *, owners: int, bucket_numel: int, rank: int 
     ordered = list(reversed(sizes))
     total = owned = shard = largest = 0
     plan = plan_buckets(ordered, owners, bucket_numel, balance)
+    first = sum(ordered[i] for i in plan[0]) if plan else 0
     for members in plan:
         msizes = [ordered[i] for i in members]
         if owners == 1:
@@ -153,16 +171,25 @@ def layout_sizes(sizes: list[int], *, owners: int, bucket_numel: int, rank: int 
         owned += loads[rank]
         shard += max(loads)
         largest = max(largest, max(loads) * owners)
-    return LayoutSizes(total, owned, shard, largest, len(plan))
+    return LayoutSizes(total, owned, shard, largest, len(plan), first)
 
 
 def padding(sizes: list[int], *, owners: int, bucket_numel: int) -> float:
     """What whole-parameter ownership adds to the buffers of parameters of
     ``sizes`` elements, as a fraction of their total (0 for one owner)."""
+    return padding_and_first_bucket(sizes, owners=owners, bucket_numel=bucket_numel)[0]
+
+
+def padding_and_first_bucket(sizes: list[int], *, owners: int,
+                             bucket_numel: int) -> tuple[float, float]:
+    """(:func:`padding`, the share of the elements in the first bucket) of
+    parameters of ``sizes`` elements in registration order; (0, 0) for one
+    owner, whose buckets need no balance."""
     total = sum(sizes)
     if owners <= 1 or total == 0:
-        return 0.0
-    return layout_sizes(sizes, owners=owners, bucket_numel=bucket_numel).total / total - 1.0
+        return 0.0, 0.0
+    flat = layout_sizes(sizes, owners=owners, bucket_numel=bucket_numel)
+    return flat.total / total - 1.0, flat.first / total
 
 
 class FlatLayout:

@@ -7,7 +7,8 @@ ranks and how the optimizer and its states are split among them.
   then an all-gather of the updated parameters).
 * :class:`giantmodel.parallel.fsdp.FSDP` -- ZeRO-3 and hybrid sharding
   (HSDP) through FSDP2, which syncs inside backward by itself; also zero 1
-  and 2 where the flat buffers cannot share whole parameters out evenly.
+  and 2 where the flat buffers cannot share whole parameters out evenly, or
+  (on GPUs) only in one bucket too large to overlap backward.
 
 Gradients are *summed*, never averaged: the runner scales each micro-batch's
 loss by 1/(global loss units), so the sum over ranks is the gradient of the
@@ -30,7 +31,7 @@ from torch import nn
 from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.core.tensors import local_tensor, unique_params
-from giantmodel.parallel.flat_buffer import MAX_PADDING
+from giantmodel.parallel.flat_buffer import MAX_FIRST_BUCKET, MAX_PADDING
 from giantmodel.parallel.grads import replication
 
 
@@ -93,21 +94,32 @@ class NoDataParallel:
                 for p in self._trained if p.grad is not None]
 
 
-def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int, padding: float = 0.0) -> str:
+def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int, padding: float = 0.0,
+                  first_bucket: float = 0.0, comm_overlaps: bool = False) -> str:
     """Which strategy a layout gets: "none" (dp x cp of one), "fsdp" (ZeRO-3,
     hybrid sharding, and ZeRO-2 under pipeline parallelism, whose schedules
     run backward themselves, so gradients cannot be reduced micro-batch by
     micro-batch) or "own" (zero 0/1/2 on flat buffers).
 
-    ``padding``: what the flat buffers' whole-parameter ownership would add
-    (:func:`giantmodel.parallel.flat_buffer.padding`). Past
-    :data:`~giantmodel.parallel.flat_buffer.MAX_PADDING`, zero 1 and 2 go to
-    FSDP2 too, whose dim-0 shards are even for any number of ranks."""
+    ``padding`` and ``first_bucket``: what the flat buffers' whole-parameter
+    ownership would add, and the share of the gradients in their first
+    bucket (:func:`giantmodel.parallel.flat_buffer.padding_and_first_bucket`).
+    Zero 1 and 2 go to FSDP2 too, whose dim-0 shards are even for any number
+    of ranks and whose per-block units overlap compute, past
+    :data:`~giantmodel.parallel.flat_buffer.MAX_PADDING`, and, where
+    ``comm_overlaps`` (collectives run beside compute: NCCL on a GPU) and
+    backward would overlap them (no pipeline), past
+    :data:`~giantmodel.parallel.flat_buffer.MAX_FIRST_BUCKET`. On a CPU the
+    ranks' own cores run the collectives, so the flat buffers' one bucket
+    loses nothing there, and FSDP2's per-unit work costs more (2 emulated
+    hosts x 2 ranks, benchmarks/RESULTS.md, 2026-11-27)."""
     if dp_cp == 1:
         return "none"
     if zero == 3 or (zero >= 2 and hybrid) or (zero == 2 and pp > 1):
         return "fsdp"
     if zero >= 1 and padding > MAX_PADDING:
+        return "fsdp"
+    if zero >= 1 and comm_overlaps and pp == 1 and first_bucket > MAX_FIRST_BUCKET:
         return "fsdp"
     return "own"
 

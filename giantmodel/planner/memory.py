@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from giantmodel.models import build_model
-from giantmodel.parallel.flat_buffer import layout_sizes, padding
+from giantmodel.parallel.flat_buffer import layout_sizes, padding_and_first_bucket
 from giantmodel.parallel.fsdp import kept_gathered
 from giantmodel.parallel.strategy import strategy_name
 from giantmodel.planner.layout import Layout
@@ -576,19 +576,19 @@ def _lora_states(table: ParamTable, layout: Layout, base: list[tuple[int, ...]],
 
 
 def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
-                 style: str) -> tuple[dict[str, int], int]:
+                 style: str, hw=None) -> tuple[dict[str, int], int]:
     """Model-state bytes and unsharded local parameter count of one pipeline
     rank (cached: they do not depend on batch shape or recompute)."""
     ns = layout.num_stages
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
            layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb,
-           layout.lora_rank, layout.lora_paths, layout.lora_nf4)
+           layout.lora_rank, layout.lora_paths, layout.lora_nf4, offloads_to_host(hw))
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
             shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
-        strategy = layout_strategy(table, layout)
+        strategy = layout_strategy(table, layout, hw)
         if layout.lora_rank:
             n_layers = sum(layout.stage_layers[s] for s in stages)
             states = _lora_states(table, layout, shapes, n_layers, shard_degree, style, strategy)
@@ -605,29 +605,40 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     return dict(states), full
 
 
-def layout_strategy(table: ParamTable, layout: Layout) -> str:
-    """The engine's data-parallel strategy for ``layout``
-    (:func:`giantmodel.parallel.strategy.strategy_name`, with the largest
-    padding any pipeline rank's flat buffers would have: the engine takes the
-    maximum over ranks, so that every stage shards alike). A frozen base
-    (LoRA) keeps the flat buffers, as in the engine."""
+def layout_strategy(table: ParamTable, layout: Layout, hw=None) -> str:
+    """The engine's data-parallel strategy for ``layout`` on ``hw`` (None: a
+    GPU) (:func:`giantmodel.parallel.strategy.strategy_name`, with the largest
+    padding and first bucket any pipeline rank's flat buffers would have: the
+    engine takes the maximum over ranks, so that every stage shards alike).
+    A frozen base (LoRA) keeps the flat buffers, as in the engine."""
+    pad, first = own_buffer_geometry(table, layout)
+    return strategy_name(zero=layout.zero, dp_cp=layout.dp * layout.cp,
+                         hybrid=layout.dp_replicate > 1, pp=layout.pp, padding=pad,
+                         first_bucket=first, comm_overlaps=offloads_to_host(hw))
+
+
+def own_buffer_geometry(table: ParamTable, layout: Layout) -> tuple[float, float]:
+    """(padding, share of the gradients in the first bucket) of zero 1/2's
+    flat buffers, the largest over the pipeline ranks
+    (:func:`giantmodel.parallel.flat_buffer.padding_and_first_bucket`); (0, 0)
+    for zero 0, one data-parallel rank or a frozen base."""
     n = layout.dp * layout.cp
-    pad = 0.0
+    pad = first = 0.0
     if layout.zero in (1, 2) and n > 1 and not layout.lora_rank:
         bucket = int(layout.bucket_mb * MIB) // 4
         for r in range(layout.pp):
             sizes = tuple(math.prod(shape) for s in layout.rank_stages(r)
                           for shape in stage_params(table, s, layout.num_stages,
                                                     layout.stage_layers[s], layout.tp))
-            pad = max(pad, _padding(sizes, n, bucket))
-    return strategy_name(zero=layout.zero, dp_cp=n, hybrid=layout.dp_replicate > 1,
-                         pp=layout.pp, padding=pad)
+            p, f = _geometry(sizes, n, bucket)
+            pad, first = max(pad, p), max(first, f)
+    return pad, first
 
 
 @functools.lru_cache(maxsize=4096)
-def _padding(sizes: tuple[int, ...], owners: int, bucket_numel: int) -> float:
+def _geometry(sizes: tuple[int, ...], owners: int, bucket_numel: int) -> tuple[float, float]:
     # a search asks for the same stage at the same degree many times
-    return padding(list(sizes), owners=owners, bucket_numel=bucket_numel)
+    return padding_and_first_bucket(list(sizes), owners=owners, bucket_numel=bucket_numel)
 
 
 def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
@@ -635,7 +646,7 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     table = param_table(m)
     stages = layout.rank_stages(pp_rank)
     ns = layout.num_stages
-    states, local_full = _rank_states(m, table, layout, tuple(stages), style)
+    states, local_full = _rank_states(m, table, layout, tuple(stages), style, hw)
     comp: dict[str, float] = dict(states)
     c = DTYPE_BYTES[layout.precision]
     layer_local = table.layer_numel(layout.tp)

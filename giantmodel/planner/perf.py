@@ -11,6 +11,8 @@ optimizer. What overlaps follows the engine (giantmodel.parallel):
   from inside the last micro-batch's backward: only what exceeds that
   backward, and the last bucket, are exposed (under pipeline parallelism,
   whose schedules run backward themselves, all of it, after the schedule);
+  the first bucket starts once backward has filled it, which under zero 1/2
+  (whole parameters balanced over the owners) can be a large share;
 * zero 1: the same buckets are reduce-scattered into their owners' shards,
   then the updated parameters are all-gathered once after the optimizer step
   (exposed);
@@ -19,9 +21,10 @@ optimizer. What overlaps follows the engine (giantmodel.parallel):
 * zero 3 / HSDP: FSDP2 with one unit per block and prefetch: per micro-batch
   the first unit's gather is exposed, then communication hides behind compute
   while compute is longer; zero 1/2 go to FSDP2 too where the flat buffers
-  would pad (``parallel.strategy.strategy_name``), zero 1 syncing once per
-  step. Under pipeline parallelism torch's schedules hold FSDP2's
-  reduce-scatters until after the last micro-batch: exposed, once per step;
+  would pad, or on GPUs where their first bucket holds most of the gradients
+  (``parallel.strategy.strategy_name``), zero 1 syncing once per step.
+  Under pipeline parallelism torch's schedules hold FSDP2's reduce-scatters
+  until after the last micro-batch: exposed, once per step;
 * pipeline: point-to-point activations (the fp32 residual stream) on every
   stage boundary, over NVLink or the network depending on where the next
   stage sits: in series with compute under 1F1B and GPipe, hidden but on the
@@ -61,6 +64,7 @@ from giantmodel.planner.memory import (
     layout_strategy,
     lora_layer_shapes,
     offloads_to_host,
+    own_buffer_geometry,
     param_table,
     stage_params,
     zero3_kept_numel,
@@ -513,14 +517,18 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     shard = layout.dp_shard * layout.cp
     bucket = min(layout.bucket_mb * MIB, trained * 4)
     exposed = 0.0
-    strategy = layout_strategy(table, layout)
+    strategy = layout_strategy(table, layout, hw)
     if n > 1 and strategy == "own":
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
         reduce = collective_time(hw, cluster, kind, trained * 4, n, stride)
         tail = collective_time(hw, cluster, kind, bucket, n, stride)
-        # under pipeline parallelism the schedule runs backward itself and the
-        # buckets are reduced after it (parallel.zero: overlap off)
-        per_window = reduce if layout.pp > 1 else max(0.0, reduce - bwd_per_mb) + tail
+        # the buckets go in order from the first one backward fills, which
+        # is complete only once backward has produced its share of the
+        # gradients; under pipeline parallelism the schedule runs backward
+        # itself and the buckets are reduced after it (parallel.zero: overlap off)
+        _, first = own_buffer_geometry(table, layout)
+        per_window = reduce if layout.pp > 1 else \
+            max(0.0, reduce - bwd_per_mb * (1.0 - first)) + tail
         exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
         if layout.zero >= 1:   # updated parameters gathered after the step
             exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
@@ -593,7 +601,7 @@ def fresh_scratch_time(m, layout: Layout, hw) -> float:
         return 0.0
     n = layout.dp * layout.cp
     table = param_table(m)
-    if layout_strategy(table, layout) != "own":
+    if layout_strategy(table, layout, hw) != "own":
         return 0.0
     shapes = stage_params(table, 0, layout.num_stages, layout.stage_layers[0], layout.tp)
     flat = layout_sizes([math.prod(s) for s in shapes], owners=n,
