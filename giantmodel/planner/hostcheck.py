@@ -4,7 +4,7 @@
 for time. The first launch records, for each layout, every rank's peak RSS
 above what the process held before the engine was built (:func:`rss_rank`).
 The timed launches (:func:`time_rank`) each build one engine, as a training
-process does; the first of them also measures the host as a planner profile
+process does; the first of them (of each round) also measures the host as a planner profile
 (``hwbench.measure``, with all ranks busy at once, as they are in training,
 the all-reduce bandwidth of the group, and DTensor's per-op cost and the
 loss per logit at the checked model's size). Each runs warm-up and timed
@@ -237,54 +237,82 @@ def time_rank(rank: int, world: int, base_overrides: list[str], layouts: list[li
 
 def run_check(base_overrides: list[str], layouts: list[list[str]], warmup: int = 2,
               steps: int = 3, profile_kw: dict | None = None, world: int = 2,
-              timeout: float = 900) -> list[dict]:
+              timeout: float = 900, rounds: int = 1) -> list[dict]:
     """Measure on ``world`` ranks of this host: peak RSS in one launch, then
     the profile with the first layout's steps, then each other layout's steps
     in a launch of its own, as training builds one engine per process (in
     one launch the check's later layouts ran 5-10% slower than when timed
     first, and cp2, the last, up to 0.13 s per step); per rank, what
-    :func:`compare` takes."""
+    :func:`compare` takes.
+
+    ``rounds`` > 1 times every layout that many times, the layouts in turn
+    (the order rotated each round), each round measuring the profile afresh
+    in its first launch: on a shared VM a layout's step moved by up to 40%
+    between two runs minutes apart, the host's speed drifting, not the
+    layout's, so :func:`compare` sets each round's steps against the
+    profile measured beside them (``profiles``, ``rounds_step_s``)."""
     mem = run_ranks(rss_rank, world, base_overrides, layouts, warmup + steps,
                     timeout=timeout, backend=None, env=HOST_CHECK_ENV)
-    timed = None
-    for i, layout in enumerate(layouts):
-        part = run_ranks(time_rank, world, base_overrides, [layout], warmup, steps, profile_kw,
-                         i == 0, timeout=timeout, backend=None)
-        if timed is None:
-            timed = part
-        else:
+    timed: list[dict] | None = None
+    for k in range(rounds):
+        for j in range(len(layouts)):
+            i = (j + k) % len(layouts)
+            part = run_ranks(time_rank, world, base_overrides, [layouts[i]], warmup, steps,
+                             profile_kw, j == 0, timeout=timeout, backend=None)
+            if timed is None:
+                timed = [p | {"layouts": [None] * len(layouts), "profiles": []} for p in part]
             for t, p in zip(timed, part, strict=True):
-                t["layouts"] += p["layouts"]
+                _add_round(t["layouts"], i, p["layouts"][0])
+                if j == 0:
+                    t["profiles"].append(p["profile"])
     for t, m in zip(timed, mem, strict=True):
         for lt, lm in zip(t["layouts"], m["layouts"], strict=True):
+            lt["step_s"] = statistics.median(lt["rounds_step_s"])
             lt.update(base_rss=lm["base_rss"], peak_rss=lm["peak_rss"])
     return timed
 
 
+def _add_round(slots: list, i: int, measured: dict) -> None:
+    """Fold one round's timing of layout ``i`` into ``slots``: the first
+    round's record, with every round's median step in ``rounds_step_s``."""
+    if slots[i] is None:
+        slots[i] = measured | {"rounds_step_s": []}
+    slots[i]["rounds_step_s"].append(measured["step_s"])
+
+
 def compare(per_rank: list[dict], base_overrides: list[str]) -> list[dict]:
     """Planner predictions next to the measurements (profile of rank 0; RSS
-    of the rank the planner says is the largest, and every rank's)."""
+    of the rank the planner says is the largest, and every rank's). With
+    several rounds, each round's step is predicted from that round's profile
+    and the ratio is the median of the rounds' ratios."""
 
     world = len(per_rank)
-    hw = profile_from_dict("measured", per_rank[0]["profile"], "hostcheck")
+    profiles = per_rank[0].get("profiles") or [per_rank[0]["profile"]]
+    hws = [profile_from_dict("measured", p, "hostcheck") for p in profiles]
     cluster = Cluster(1, world)
     rows = []
     for i, first in enumerate(per_rank[0]["layouts"]):
         cfg = load_config(overrides=list(base_overrides) + first["overrides"], validate=False)
         layout = resolve_layout(cfg, cluster)
-        perf = estimate_time(cfg.model, layout, hw, cluster, cfg.train.global_batch_size)
-        mem = memory_report(cfg.model, layout, hw)
+        gbs = cfg.train.global_batch_size
+        preds = [estimate_time(cfg.model, layout, hw, cluster, gbs) for hw in hws]
+        perf = preds[0]
+        mem = memory_report(cfg.model, layout, hws[0])
         measured = [r["layouts"][i] for r in per_rank]
+        rounds = first.get("rounds_step_s") or [first["step_s"]]
         # peak above the pre-build RSS, worst rank; predicted: the worst pp rank's peak
         grown = max(m["peak_rss"] - m["base_rss"] for m in measured)
         base = max(m["base_rss"] for m in measured)
         rows.append({
             "layout": " ".join(first["overrides"]) or "single", "describe": layout.describe(),
-            "predicted_step_s": perf.step_s, "measured_step_s": first["step_s"],
-            "measured_steps_s": first["steps_s"],
+            "predicted_step_s": statistics.median(p.step_s for p in preds),
+            "measured_step_s": first["step_s"],
+            "measured_steps_s": first["steps_s"], "rounds_step_s": rounds,
+            "rounds_predicted_s": [p.step_s for p in preds],
             "faults_per_step": [m["faults_per_step"] for m in measured],
             "sys_s_per_step": [m["sys_s_per_step"] for m in measured],
-            "time_ratio": perf.step_s / first["step_s"],
+            "time_ratio": statistics.median(p.step_s / t for p, t in zip(preds, rounds,
+                                                                         strict=True)),
             "predicted_rss": base + mem.peak_bytes_per_rank, "measured_rss": base + grown,
             "rss_ratio": (base + mem.peak_bytes_per_rank) / (base + grown),
             "predicted_growth": mem.peak_bytes_per_rank, "measured_growth": grown,
