@@ -475,10 +475,17 @@ def inflight_microbatches(layout: Layout, pp_rank: int) -> float:
 
 
 # ------------------------------------------------------------------ report
+def on_accelerator(hw) -> bool:
+    """Whether ``hw`` (None: the planner's default GPU) is an accelerator,
+    whose copy and communication engines run beside compute; a CPU 'device'
+    runs them on the ranks' own cores."""
+    return hw is None or hw.intra_link != "shm"
+
+
 def offloads_to_host(hw) -> bool:
     """Activation offload moves tensors only off an accelerator: on a CPU
     'device' they already live in host memory and stay where they are."""
-    return hw is None or hw.intra_link != "shm"
+    return on_accelerator(hw)
 
 
 def offload_resident_bytes(rank_bytes: float, n_layers: int, prefetch_layers: int) -> float:
@@ -583,7 +590,7 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
            layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb,
-           layout.lora_rank, layout.lora_paths, layout.lora_nf4, offloads_to_host(hw))
+           layout.lora_rank, layout.lora_paths, layout.lora_nf4, on_accelerator(hw))
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
@@ -614,7 +621,7 @@ def layout_strategy(table: ParamTable, layout: Layout, hw=None) -> str:
     pad, first = own_buffer_geometry(table, layout)
     return strategy_name(zero=layout.zero, dp_cp=layout.dp * layout.cp,
                          hybrid=layout.dp_replicate > 1, pp=layout.pp, padding=pad,
-                         first_bucket=first, comm_overlaps=offloads_to_host(hw))
+                         first_bucket=first, comm_overlaps=on_accelerator(hw))
 
 
 def own_buffer_geometry(table: ParamTable, layout: Layout) -> tuple[float, float]:

@@ -64,6 +64,7 @@ from giantmodel.planner.memory import (
     layout_strategy,
     lora_layer_shapes,
     offloads_to_host,
+    on_accelerator,
     own_buffer_geometry,
     param_table,
     stage_params,
@@ -507,7 +508,7 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     """(exposed data-parallel communication, optimizer step) per step; see the
     module docstring for what overlaps what. On a CPU host nothing overlaps:
     the collectives run on the same cores as the ranks' compute."""
-    if not offloads_to_host(hw):   # a CPU 'device': no spare engine to hide comm behind
+    if not on_accelerator(hw):   # a CPU 'device': no spare engine to hide comm behind
         bwd_per_mb = fwd_bwd_per_mb = 0.0
     table = param_table(m)
     local = _local_params(m, layout)
@@ -597,7 +598,7 @@ def fresh_scratch_time(m, layout: Layout, hw) -> float:
     faults in a fresh one: one buffer of the largest bucket's size, two
     when a bucket still reduces while the next fills (a finished bucket's
     buffer is reused). Below the threshold the heap keeps the pages."""
-    if layout.zero != 2 or offloads_to_host(hw) or not hw.fresh_memory_bw or layout.lora_rank:
+    if layout.zero != 2 or on_accelerator(hw) or not hw.fresh_memory_bw or layout.lora_rank:
         return 0.0
     n = layout.dp * layout.cp
     table = param_table(m)
