@@ -318,6 +318,23 @@ def _hier_worker(rank, world, cache_dir):
     dist.all_gather_into_tensor(g, torch.full((4,), float(rank)), group=giant)
     assert torch.equal(g, torch.arange(world, dtype=torch.float32).repeat_interleave(4))
     assert calls.count("reduce_scatter") == 30 and calls.count("all_gather") == 11, calls
+    # reduce to one root and broadcast from it (zero's owner ranges): every
+    # root, on either node, at either local rank
+    for name in ("reduce", "broadcast"):
+        inner = getattr(giant._hier, name)
+        setattr(giant._hier, name, lambda *a, _f=inner, _n=name: (calls.append(_n), _f(*a))[1])
+    for root in range(world):
+        for n in (1, 1001, 250_007):
+            parts = [_data(n, r, torch.float32, salt=7 + root) for r in range(world)]
+            t = parts[rank].clone()
+            dist.reduce(t, group_dst=root, group=giant)
+            if rank == root:
+                assert torch.allclose(t, _ref_reduce(parts, "sum", torch.float32),
+                                      rtol=1e-6, atol=1e-6), (root, n)
+            t = parts[rank].clone()
+            dist.broadcast(t, group_src=root, group=giant)
+            assert torch.equal(t, parts[root]), (root, n)
+    assert calls.count("reduce") == calls.count("broadcast") == 3 * world, calls
     # a flat all-reduce chosen by the tuner leaves them hierarchical
     giant.reconfigure(hierarchical=False)
     out = torch.empty(3)

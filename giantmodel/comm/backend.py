@@ -333,14 +333,16 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         op, scale = _op_and_scale(opts.reduceOp, self._world)
-        if not self._fast(tensors, op) or len(tensors) != 1:
+        if not self._fast(tensors, op, flat_only=self._hier is None) or len(tensors) != 1:
             return self._delegated(self._inner(tensors).reduce(tensors, opts))
         t, root = tensors[0], opts.rootRank
 
         def job():
             src = t.contiguous()
             out = src if self._rank == root else torch.empty_like(src)
-            if src.numel():
+            if src.numel() and self.topology.num_nodes > 1:
+                self._hier.reduce(src.view(-1), root, op, scale)
+            elif src.numel():
                 self._shm.all_reduce_scaled(src, out, op, scale)
             if self._rank == root and src is not t:
                 t.copy_(src)
@@ -433,13 +435,16 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     # ---- broadcast / all-to-all / barrier ------------------------------
     def broadcast(self, tensors, opts=None):
-        if not self._fast(tensors, reduces=False) or len(tensors) != 1:
+        if (not self._fast(tensors, reduces=False, flat_only=self._hier is None)
+                or len(tensors) != 1):
             return self._delegated(self._inner(tensors).broadcast(tensors, opts))
         t, root = tensors[0], opts.rootRank
 
         def job():
             buf = t if t.is_contiguous() else t.contiguous()
-            if buf.numel():
+            if buf.numel() and self.topology.num_nodes > 1:
+                self._hier.broadcast(buf.view(-1), root)
+            elif buf.numel():
                 self._shm.broadcast(buf, root)
             if buf is not t:
                 t.copy_(buf)

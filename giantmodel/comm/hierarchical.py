@@ -10,6 +10,10 @@ With L ranks per node and N nodes, an all-reduce of S bytes runs as
 A flat ring over all N*L ranks sends 2(NL-1)/(NL) * S per rank over TCP; this
 sends 2(N-1)/N * S/L, and the shared-memory legs run near memory speed.
 
+Reduce to one root and broadcast from it (what ZeRO's owner ranges use) take
+the tensor through shared memory inside every node and once over the
+network, among the ranks that share the root's local index.
+
 Reduce-scatter and all-gather (what ZeRO's gradient and parameter shards and
 FSDP2 use) take the same two levels: a shared-memory reduce-scatter inside
 the node, then an all-to-all among the local ranks i of every node, each node
@@ -44,6 +48,9 @@ class HierarchicalAllReduce:
 
     def __init__(self, shm: ShmGroup, store, topo: Topology, timeout: timedelta):
         self.shm = shm
+        self.rank = topo.rank
+        self.nodes = topo.nodes
+        self.local_rank = topo.local_rank
         self.local_size = topo.local_size
         self.num_nodes = topo.num_nodes
         self.node_index = topo.node_index
@@ -157,3 +164,36 @@ class HierarchicalAllReduce:
             lm = local_major[:blocks.size(0) * w]
             self.shm.all_gather(gathered[N * c0:N * c1], lm)
             blocks[:, c0:c1].index_copy_(0, self._order, lm.view(-1, w))
+
+    def _place(self, root: int) -> tuple[int, int]:
+        """(node index, local rank) of group rank ``root``."""
+        node = next(i for i, ranks in enumerate(self.nodes) if root in ranks)
+        return node, self.nodes[node].index(root)
+
+    def reduce(self, flat: torch.Tensor, root: int, op: int, scale: float) -> None:
+        """Group rank ``root``'s contiguous ``flat`` becomes ``op`` of every
+        rank's, in place (the others' are left holding partial sums): a
+        shared-memory all-reduce inside each node, then a reduce to
+        ``root``'s node among the ranks of ``root``'s local rank."""
+        node, local = self._place(root)
+        inner_op = OP_SUM if op == OP_AVG else op
+        self.shm.all_reduce_scaled(flat, flat, inner_op, 1.0)
+        if self.local_rank == local:
+            opts = dist.ReduceOptions()
+            opts.reduceOp = _GLOO_OPS[inner_op]
+            opts.rootRank = node
+            self.cross.reduce([flat], opts).wait()
+        if op == OP_AVG and self.rank == root:
+            flat.mul_(scale)
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        """Every rank's contiguous ``flat`` becomes group rank ``root``'s: over
+        the network among the ranks of ``root``'s local rank, then from them
+        through shared memory inside each node."""
+        node, local = self._place(root)
+        if self.local_rank == local:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = node
+            opts.rootTensor = 0
+            self.cross.broadcast([flat], opts).wait()
+        self.shm.broadcast(flat, local)
