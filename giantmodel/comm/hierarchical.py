@@ -45,6 +45,12 @@ class HierarchicalAllReduce:
     """
 
     PIECE_BYTES = 8 << 20
+    SHARD_PIECE_BYTES = 2 << 20
+    """Reduce-scatter and all-gather pieces: smaller, so the shared-memory
+    leg before the network's first piece and the sum after its last are
+    short. A ZeRO-1 step of 21 MB of gradients on 2 emulated hosts x 2 ranks
+    at 1 Gbit/s ran at 1,800-1,926 tok/s in 2 MB pieces, 1,528-1,767 in
+    8 MB (benchmarks/RESULTS.md, 2026-11-27)."""
 
     def __init__(self, shm: ShmGroup, store, topo: Topology, timeout: timedelta):
         self.shm = shm
@@ -105,11 +111,12 @@ class HierarchicalAllReduce:
             flat.copy_(padded[:n])
 
     def _pieces(self, block: int, itemsize: int) -> list[tuple[int, int]]:
-        """Column ranges [c0, c1) of every block: pieces of about PIECE_BYTES
-        across the whole tensor, so the network carries piece k while this
-        rank copies and reduces piece k+1 in shared memory."""
+        """Column ranges [c0, c1) of every block: pieces of about
+        SHARD_PIECE_BYTES across the whole tensor (at most 16), so the
+        network carries piece k while this rank copies and reduces piece
+        k+1 in shared memory."""
         total = block * itemsize * self.num_nodes * self.local_size
-        n = max(1, min(16, total // self.PIECE_BYTES, block))
+        n = max(1, min(16, total // self.SHARD_PIECE_BYTES, block))
         edges = [block * k // n for k in range(n + 1)]
         return list(zip(edges[:-1], edges[1:]))
 
