@@ -111,8 +111,12 @@ def serve(run_one) -> int:
         cmd = json.loads(line)
         code = run_cases_in_turn(cmd["cases"], cmd["out"], cmd["port"], run_one,
                                  cmd["steps"], cmd["profile"])
-        with open(f"{cmd['out']}.done.rank{rank}", "w") as f:
+        # written whole, then renamed: the launcher polls for the name and
+        # would otherwise read a file that exists but is still empty
+        done = f"{cmd['out']}.done.rank{rank}"
+        with open(done + ".tmp", "w") as f:
             f.write(str(code))
+        os.replace(done + ".tmp", done)
     return 0
 
 
