@@ -48,9 +48,12 @@ class HierarchicalAllReduce:
     SHARD_PIECE_BYTES = 2 << 20
     """Reduce-scatter and all-gather pieces: smaller, so the shared-memory
     leg before the network's first piece and the sum after its last are
-    short. A ZeRO-1 step of 21 MB of gradients on 2 emulated hosts x 2 ranks
-    at 1 Gbit/s ran at 1,800-1,926 tok/s in 2 MB pieces, 1,528-1,767 in
-    8 MB (benchmarks/RESULTS.md, 2026-11-27)."""
+    short. On 2 emulated hosts x 2 ranks at 1 Gbit/s, 2 MB pieces beat 8 MB
+    ones from 4 MB up (16 MB: reduce-scatter 0.15-0.16 against 0.11 GB/s
+    bus bandwidth, all-gather 0.16 against 0.11-0.13), and a ZeRO-1 step of
+    21 MB of gradients ran at 1,800-1,926 tok/s against 1,528-1,767
+    (benchmarks/RESULTS.md, 2026-11-27). All-reduce keeps PIECE_BYTES: 2 MB
+    pieces were slower there at 4 MB."""
 
     def __init__(self, shm: ShmGroup, store, topo: Topology, timeout: timedelta):
         self.shm = shm
