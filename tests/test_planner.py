@@ -510,3 +510,94 @@ def test_zero2_scratch_faults_are_charged_on_cpu_above_the_mmap_ceiling():
         cpu, fresh_memory_bw=None)) == 0.0
     assert charged("parallel.dp=2", "parallel.zero=2", hw=dataclasses.replace(
         BUILTIN["h100-sxm"], fresh_memory_bw=4e9)) == 0.0
+
+
+def _llama_8b_layout(**kw):
+    from giantmodel.config.model import ModelConfig
+    from giantmodel.planner.layout import Layout
+
+    m = ModelConfig(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=32000, max_seq_len=4096)
+    base = dict(tp=1, pp=1, dp=64, dp_shard=64, cp=1, sp=False, zero=3, virtual=1,
+                schedule="1f1b", micro_batch=1, n_micro=1, seq_len=4096, precision="bf16",
+                recompute="none", offload_activations=False, stage_layers=(32,))
+    return m, Layout(**(base | kw))
+
+
+def test_overlapped_collectives_slow_the_compute_beside_them():
+    """An NCCL collective holds its channels' multiprocessors while it runs:
+    hidden communication still displaces compute; on a CPU host nothing
+    overlaps and the share is 0."""
+    from dataclasses import replace
+
+    from giantmodel.planner.perf import beside_compute, estimate_time
+
+    a100 = get_profile("a100-80g")
+    share = a100.collective_sm_share
+    assert share == pytest.approx(24 / 108)
+    assert get_profile("h100-sxm").collective_sm_share == pytest.approx(24 / 132)
+    assert get_profile("cpu").collective_sm_share == 0.0
+    assert beside_compute(a100, 1.0, 4.0) == pytest.approx(share)    # hidden, not free
+    assert beside_compute(a100, 5.0, 2.0) == pytest.approx(3.0)      # outlasts the compute
+    assert beside_compute(a100, 0.0, 2.0) == 0.0
+    assert beside_compute(get_profile("cpu"), 1.0, 4.0) == 0.0
+    m, lay = _llama_8b_layout()
+    cluster = Cluster(8, 8)
+    free = replace(a100, collective_sm_share=0.0)
+    before = estimate_time(m, lay, free, cluster, 64)
+    after = estimate_time(m, lay, a100, cluster, 64)
+    assert after.step_s > before.step_s
+    # at most the share of the whole step's compute
+    assert after.step_s < before.step_s + share * before.breakdown["compute"]
+
+
+def test_gradient_accumulation_is_a_pass_over_memory_per_micro_batch():
+    """Zero 0/1 add every micro-batch's gradients into fp32 buffers (12 bytes a
+    parameter), zero 2 copies them into bucket scratch, a lone rank adds from
+    the second micro-batch on; FSDP2 reducing every micro-batch pays in its
+    reduce-scatter copies instead."""
+    from dataclasses import replace
+
+    from giantmodel.planner.memory import layout_strategy, param_table
+    from giantmodel.planner.perf import PerfOptions, grad_accumulate_time, stage_times
+
+    cpu = get_profile("cpu")
+    m, z0 = _llama_8b_layout(dp=8, dp_shard=1, zero=0, n_micro=4)
+    z2 = replace(z0, zero=2, dp_shard=8)
+    alone = replace(z0, dp=1)
+    table = param_table(m)
+    assert layout_strategy(table, z0, cpu) == layout_strategy(table, z2, cpu) == "own"
+    params = sum(math.prod(p.local_shape(1)) for p in table.embed + table.head + table.final) \
+        + m.num_layers * table.layer_numel(1)
+    bw = cpu.memory_bw * cpu.stream_efficiency
+    assert grad_accumulate_time(m, z0, cpu) == pytest.approx(12 * params / bw)
+    assert grad_accumulate_time(m, z2, cpu) == pytest.approx((8 + 12 / 8) * params / bw)
+    assert grad_accumulate_time(m, alone, cpu) == pytest.approx(12 * 3 / 4 * params / bw)
+    synced = replace(z0, zero=3, dp_shard=8)
+    assert grad_accumulate_time(m, synced, cpu) == 0.0
+    # charged in each micro-batch's backward
+    fast = replace(cpu, stream_efficiency=1e12)
+    cluster = Cluster(1, 8)
+    slow, quick = (stage_times(m, z0, hw, cluster, PerfOptions())[0] for hw in (cpu, fast))
+    assert slow.fwd == quick.fwd
+    assert slow.bwd - quick.bwd == pytest.approx(12 * params / bw, rel=1e-3)
+
+
+def test_host_overhead_is_read_from_back_to_back_pairs(monkeypatch):
+    """A host that slows down while it measures must not show up as DTensor
+    overhead: each run is paired with a plain one next to it."""
+    from giantmodel.planner import hwbench
+
+    clock = [0.0]
+    slowdown = [1.0]
+
+    def work(seconds):
+        def f():
+            clock[0] += seconds * slowdown[0]
+            slowdown[0] *= 1.05   # the host drifts slower call by call
+        return f
+
+    monkeypatch.setattr(hwbench.time, "perf_counter", lambda: clock[0])
+    extra = hwbench._paired_extra(work(3.0), work(1.0), "cpu", pairs=7, calls=1)
+    # 2 s extra at the pairs' median slowdown, never the drift between blocks
+    assert 2.0 < extra < 2.0 * 1.05 ** 12

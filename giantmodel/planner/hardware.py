@@ -49,7 +49,7 @@ class HardwareProfile:
     """GPU <-> host copy bandwidth per GPU (activation/optimizer offload), bytes/s."""
     gpus_per_node: int = 8
     """Default GPUs per node for this machine type."""
-    matmul_efficiency: float = 0.76
+    matmul_efficiency: float = 0.82
     """Share of peak FLOP/s that large GEMMs reach (cuBLAS, well-shaped, bf16)."""
     matmul_tile_knee: float = 32.0
     """Output tiles (128 x 128) at which a GEMM reaches half of ``matmul_efficiency``'s rate:
@@ -63,6 +63,10 @@ class HardwareProfile:
     """Share of peak FLOP/s that fused (flash) attention reaches, forward; backward is a bit lower."""
     memory_efficiency: float = 0.40
     """Share of memory bandwidth that elementwise kernels reach."""
+    stream_efficiency: float = 0.80
+    """Share of memory bandwidth that one long contiguous pass reaches (adding a micro-batch's
+    gradients into their fp32 accumulators): STREAM-style add and triad kernels run at about
+    80-90% of the datasheet bandwidth on A100 and H100. Measured by ``bench hw`` (its add test)."""
     adamw_rate: float | None = None
     """Parameters per second the optimizer updates; None: memory-bound, 32 bytes per parameter
     at ``memory_efficiency`` of the bandwidth (fused AdamW on a GPU). Measured by ``bench hw``."""
@@ -85,6 +89,10 @@ class HardwareProfile:
     """Share of link bandwidth that a large collective reaches (bus bandwidth / link bandwidth)."""
     latency_s: float = 10e-6
     """Per-hop latency of a collective step, seconds."""
+    collective_sm_share: float = 0.0
+    """Share of the device's multiprocessors that a running collective holds (NCCL runs one
+    thread block per channel on a multiprocessor of its own): compute overlapped with it runs
+    this much slower. 0 where nothing overlaps (a CPU host: the ranks' cores run both)."""
     reserved_bytes: float = 2.5 * GIB
     """Memory the framework cannot allocate: CUDA context, NCCL buffers, workspace."""
     host_memory_bytes: float = 1024 * GIB
@@ -97,8 +105,16 @@ class HardwareProfile:
         return self.peak_flops[precision]
 
 
-def _gpu(name, fp32, bf16, mem_gb, bw_tbs, link, intra_gbs, inter_gbs, **kw) -> HardwareProfile:
+NCCL_CHANNELS = 24
+"""Thread blocks an NCCL collective runs at once on NVLink + InfiniBand nodes: one per
+channel. NCCL's init log reports 24 to 32 "coll channels" on A100 and H100 nodes, and an
+Nsight trace of an all-gather beside a GEMM on an H100 shows 24 blocks; the lower figure."""
+
+
+def _gpu(name, fp32, bf16, mem_gb, bw_tbs, link, intra_gbs, inter_gbs, sms,
+         **kw) -> HardwareProfile:
     return HardwareProfile(
+        collective_sm_share=NCCL_CHANNELS / sms,
         name=name, peak_flops={"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS,
                                "fp16": kw.pop("fp16", bf16) * TFLOPS},
         memory_bytes=mem_gb * GB, memory_bw=bw_tbs * 1e12, intra_link=link,
@@ -109,17 +125,19 @@ def _gpu(name, fp32, bf16, mem_gb, bw_tbs, link, intra_gbs, inter_gbs, **kw) -> 
 # the bidirectional totals halved (900 -> 450 GB/s for NVLink4). Inter-node:
 # one 400 Gb/s NDR port per GPU on H100/H200 systems (DGX H100), one 200 Gb/s
 # HDR port per GPU on A100 systems (DGX A100), 100 Gb/s EDR on V100.
+# Multiprocessors (the argument after the links): H100 SXM / H200 132, H100 PCIe
+# 114, A100 108, V100 80.
 BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (
-    _gpu("h100-sxm", 67, 989, 80, 3.35, "nvlink4", 450, 50, host_bw=55 * GB),
-    _gpu("h100-pcie", 51, 756, 80, 2.0, "pcie5", 55, 25, host_bw=55 * GB),
-    _gpu("h200", 67, 989, 141, 4.8, "nvlink4", 450, 50, host_bw=55 * GB),
-    _gpu("a100-80g", 19.5, 312, 80, 2.039, "nvlink3", 300, 25),
-    _gpu("a100-40g", 19.5, 312, 40, 1.555, "nvlink3", 300, 25),
+    _gpu("h100-sxm", 67, 989, 80, 3.35, "nvlink4", 450, 50, 132, host_bw=55 * GB),
+    _gpu("h100-pcie", 51, 756, 80, 2.0, "pcie5", 55, 25, 114, host_bw=55 * GB),
+    _gpu("h200", 67, 989, 141, 4.8, "nvlink4", 450, 50, 132, host_bw=55 * GB),
+    _gpu("a100-80g", 19.5, 312, 80, 2.039, "nvlink3", 300, 25, 108),
+    _gpu("a100-40g", 19.5, 312, 40, 1.555, "nvlink3", 300, 25, 108),
     # A800: the A100 with NVLink cut to 400 GB/s (bidirectional).
-    _gpu("a800", 19.5, 312, 80, 2.039, "nvlink3", 200, 25),
+    _gpu("a800", 19.5, 312, 80, 2.039, "nvlink3", 200, 25, 108),
     # V100 has no bf16 tensor cores: bf16 runs at the fp32 rate.
-    _gpu("v100-32g", 15.7, 15.7, 32, 0.9, "nvlink2", 150, 12.5, fp16=125, host_bw=12 * GB),
-    _gpu("v100-16g", 15.7, 15.7, 16, 0.9, "nvlink2", 150, 12.5, fp16=125, host_bw=12 * GB),
+    _gpu("v100-32g", 15.7, 15.7, 32, 0.9, "nvlink2", 150, 12.5, 80, fp16=125, host_bw=12 * GB),
+    _gpu("v100-16g", 15.7, 15.7, 16, 0.9, "nvlink2", 150, 12.5, 80, fp16=125, host_bw=12 * GB),
 )}
 
 MEASURED_PROFILE_FILE = Path(os.environ.get(
@@ -140,7 +158,8 @@ def cpu_profile() -> HardwareProfile:
         memory_bytes=float(mem), memory_bw=20 * GB, intra_link="shm", intra_bw=3 * GB,
         inter_bw=1.25 * GB, host_bw=20 * GB, gpus_per_node=1, matmul_efficiency=0.6,
         matmul_tile_knee=1.0, matmul_k_knee=16.0,
-        attention_efficiency=0.3, memory_efficiency=0.7, link_efficiency=0.5,
+        attention_efficiency=0.3, memory_efficiency=0.7, stream_efficiency=0.7,
+        link_efficiency=0.5,
         latency_s=50e-6, reserved_bytes=0.5 * GIB, host_memory_bytes=float(mem))
 
 

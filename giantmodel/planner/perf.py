@@ -30,7 +30,12 @@ optimizer. What overlaps follows the engine (giantmodel.parallel):
   stage sits: in series with compute under 1F1B and GPipe, hidden but on the
   fill and drain path under the multi-stage schedules (``p2p_overlapped``);
   the schedule's bubble is counted per stage, so a heavy last stage (the
-  head) or first stage costs what it costs and no more.
+  head) or first stage costs what it costs and no more;
+* what is hidden is not free: a collective beside compute holds its NCCL
+  channels' multiprocessors (``collective_sm_share``), so the compute runs
+  that much slower while it lasts (:func:`beside_compute`);
+* every micro-batch's backward folds its gradients into the step's fp32
+  accumulators, a pass over memory (:func:`grad_accumulate_time`).
 
 Model FLOPs (for TFLOP/s and MFU) follow Narayanan et al. 2021, eq. 3, with
 the recompute pass left out and generalised to any MLP and attention width:
@@ -431,6 +436,7 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
     emb, head = edge_times(m, layout, hw, cluster)
     hop = 0.0 if p2p_overlapped(layout, hw) else hop_time(m, layout, hw, cluster)
     dt_emb, dt_head = dtensor_ops(m, layout)
+    accumulate = grad_accumulate_time(m, layout, hw)
     dt_block = {mode: block_dtensor_ops(m, layout.tp, layout.sp, layout.precision, mode)
                 for mode in times}
     out = []
@@ -454,9 +460,34 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
         if layout.pp > 1:
             f += hop * len(stages)
             b += hop * len(stages)
+        b += accumulate
         f, b = _with_host_time(hw, f, b, ops * hw.dtensor_op_s)
         out.append(StageTime(f, b))
     return out
+
+
+def grad_accumulate_time(m, layout: Layout, hw) -> float:
+    """Per micro-batch on each rank: folding backward's fresh gradients into the
+    step's accumulators, one memory-bound pass over the rank's trained
+    parameters. Zero 0/1's flat buffers and FSDP2's unsharded gradients while
+    their sync waits for the last micro-batch are fp32 accumulators that
+    autograd adds into in place (read both, write one: 12 bytes a parameter);
+    zero 2's flat path copies each gradient into its bucket's scratch (8) and
+    adds the owner's chunk to its shard; without data parallelism autograd adds
+    from the second micro-batch on. FSDP2 reducing every micro-batch copies the
+    gradients into its reduce-scatter buffer instead (:func:`_fsdp_exposed`)."""
+    n = layout.dp * layout.cp
+    strategy = layout_strategy(param_table(m), layout, hw)
+    if strategy == "none":
+        per = 12.0 * (layout.n_micro - 1) / layout.n_micro
+    elif strategy == "own":
+        per = 8.0 + 12.0 / n if layout.zero == 2 else 12.0
+    elif layout.pp > 1 or layout.zero == 1:
+        per = 12.0
+    else:
+        return 0.0
+    trained = _trained_params(m, layout, _local_params(m, layout))
+    return per * trained / (hw.memory_bw * hw.stream_efficiency)
 
 
 def hop_time(m, layout: Layout, hw, cluster: Cluster) -> float:
@@ -503,6 +534,16 @@ def _trained_params(m, layout: Layout, local: float) -> float:
     return m.num_layers / layout.pp * per_layer
 
 
+def beside_compute(hw, comm: float, compute: float) -> float:
+    """What ``comm`` seconds of collectives add to a window of ``compute``
+    seconds they run beside: the part that outlasts the compute, or, while the
+    compute is longer, the compute their kernels displace. An NCCL collective
+    holds one thread block per channel on its own multiprocessors for as long
+    as it runs (``collective_sm_share`` of them), and the kernels beside it
+    get the rest."""
+    return max(0.0, comm - compute, hw.collective_sm_share * min(comm, compute))
+
+
 def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
              fwd_bwd_per_mb: float) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step) per step; see the
@@ -529,7 +570,7 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
         # itself and the buckets are reduced after it (parallel.zero: overlap off)
         _, first = own_buffer_geometry(table, layout)
         per_window = reduce if layout.pp > 1 else \
-            max(0.0, reduce - bwd_per_mb * (1.0 - first)) + tail
+            beside_compute(hw, reduce, bwd_per_mb * (1.0 - first)) + tail
         exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
         if layout.zero >= 1:   # updated parameters gathered after the step
             exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
@@ -579,13 +620,13 @@ def _fsdp_exposed(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
         syncs, tail = 0, reduce + reduce_copies
     else:
         syncs, tail = (1 if layout.zero == 1 else layout.n_micro), 0.0
-    in_backward = max(0.0, reduce + reduce_copies - bwd_per_mb) + last
+    in_backward = beside_compute(hw, reduce + reduce_copies, bwd_per_mb) + last
     fwd_per_mb = max(0.0, fwd_bwd_per_mb - bwd_per_mb)
     if layout.zero == 3:
         # forward and backward gathers share the micro-batch with the reduce
         per_mb = gather + gather_copies + (0.0 if deferred else reduce + reduce_copies)
-        return layout.n_micro * (first + max(0.0, per_mb - fwd_bwd_per_mb)) + tail
-    return (gathers * (first + max(0.0, gather + gather_copies - fwd_per_mb))
+        return layout.n_micro * (first + beside_compute(hw, per_mb, fwd_bwd_per_mb)) + tail
+    return (gathers * (first + beside_compute(hw, gather + gather_copies, fwd_per_mb))
             + syncs * in_backward + tail)
 
 
