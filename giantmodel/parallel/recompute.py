@@ -4,7 +4,8 @@
   block's forward runs again in backward.
 * ``selective`` checkpoints each block under an op-level policy that keeps
   only the expensive results backward needs: matmul outputs, the fused
-  attention kernel's output and log-sum-exp, and the sequence-parallel
+  attention kernel's output and log-sum-exp (SDPA's kernels, and for packed
+  sequences the varlen op and the flex-attention op), and the sequence-parallel
   reduce-scatter results (a 1/tp slice). Everything else is recomputed from
   those and the block input: norms, rotary embedding, autocast's casts, the
   MLP activation and gating product, masks, and the collectives whose
@@ -48,6 +49,35 @@ _ATTENTION = {
                  "_flash_attention_forward", "_efficient_attention_forward")
     if hasattr(_aten, name)
 }
+
+
+def _packed_attention_ops() -> set:
+    """The packed-sequence attention kernels, whose names move between torch
+    releases: varlen's custom op (namespace ``torch_attn``, earlier
+    ``torch_nn_attention``) and the flex-attention higher-order op (which
+    torch routes through the checkpoint policy). Probed, so a missing one is
+    simply absent. A custom op is opaque to the policy (its inner flash call
+    is never seen), so it must be listed itself or it reruns in backward.
+    ``_varlen_attn_out`` (the out= form) is left out: it writes into its
+    argument, which a cached result would skip."""
+    found = set()
+    try:
+        import torch.nn.attention.varlen  # noqa: F401  (registers the custom op)
+    except ImportError:
+        pass
+    for ns in ("torch_attn", "torch_nn_attention"):
+        packet = getattr(getattr(torch.ops, ns), "_varlen_attn", None)
+        if packet is not None and hasattr(packet, "default"):
+            found.add(packet.default)
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention
+    except ImportError:
+        return found
+    found.add(flex_attention)
+    return found
+
+
+_ATTENTION |= _packed_attention_ops()
 # Reduce-scatter results are a 1/tp slice: kept. All-reduce and all-gather
 # results are full size: re-run in backward.
 _SAVED_COLLECTIVES = ("reduce_scatter",)

@@ -17,6 +17,7 @@ The model itself stays plain: these are tensors passed down as a keyword, and
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,13 @@ def flex_document_mask(document_ids: torch.Tensor) -> FlexMask:
         return (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx)
 
     B, T = docs.shape
-    return FlexMask(create_block_mask(mask_mod, B, None, T, T, device=docs.device))
+    # Uncompiled, create_block_mask evaluates mask_mod densely over B x T x T
+    # (a [B, T, T] temporary per call); compiled it never materialises that.
+    # Dynamo reads ``docs`` as a graph input, so one compile serves every
+    # batch of the same shape. The CPU keeps the eager builder: compiling
+    # needs a C++ toolchain and only the CUDA flex kernel is fast anyway.
+    return FlexMask(create_block_mask(mask_mod, B, None, T, T, device=docs.device,
+                                      _compile=docs.is_cuda))
 
 
 def _varlen_available() -> bool:
@@ -88,11 +95,44 @@ def _varlen_available() -> bool:
     return True
 
 
+class _LastMask:
+    """The mask last built, kept while its ``document_ids`` tensor is alive
+    and unmodified: a forward that is run again on the same batch (an
+    evaluation pass, a pipeline stage's recompute) reuses it instead of
+    building it again. A weak reference, so a freed batch is never matched
+    by a new tensor that happens to reuse its id."""
+
+    ref = None
+    key: tuple = ()
+    mask = None
+
+    @classmethod
+    def get(cls, ids: torch.Tensor, key: tuple):
+        if cls.ref is not None and cls.ref() is ids and cls.key == key:
+            return cls.mask
+        return None
+
+    @classmethod
+    def put(cls, ids: torch.Tensor, key: tuple, mask) -> None:
+        cls.ref, cls.key, cls.mask = weakref.ref(ids), key, mask
+
+
 def document_mask(document_ids: torch.Tensor, compute_dtype: torch.dtype,
                   kernel: str = "auto") -> DenseMask | VarlenMask | FlexMask:
     """The mask for ``document_ids`` in the form the fastest available kernel
     takes (see the module docstring). ``kernel`` forces one: "dense",
-    "varlen" or "flex"."""
+    "varlen" or "flex". Built once per batch: every layer shares it, and a
+    second call with the same (unmodified) tensor returns the same mask."""
+    key = (document_ids._version, tuple(document_ids.shape), compute_dtype, kernel)
+    mask = _LastMask.get(document_ids, key)
+    if mask is None:
+        mask = _build_document_mask(document_ids, compute_dtype, kernel)
+        _LastMask.put(document_ids, key, mask)
+    return mask
+
+
+def _build_document_mask(document_ids: torch.Tensor, compute_dtype: torch.dtype,
+                         kernel: str) -> DenseMask | VarlenMask | FlexMask:
     if kernel == "auto":
         kernel = "dense"
         if document_ids.is_cuda:
