@@ -116,14 +116,131 @@ class ContextParallelSDPA(nn.Module):
         return torch.cat(outs, dim=2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the last ``q.shape[2]`` positions of ``k``'s span."""
+        """Causal attention of the last ``q.shape[2]`` positions of ``k``'s span.
+
+        Chunk-aligned, the span splits into keys every query sees (all before
+        the chunk) and the chunk's own keys under a square causal mask (the
+        diagonal block); keys after the chunk were never taken. Each part
+        runs a fused kernel with no mask tensor, and the two are merged by
+        their log-sum-exps (:class:`_SplitCausalAttention`). An explicit
+        [rows, span] boolean mask would send SDPA to its math path, which
+        with GQA also repeats K/V and holds the scores: quadratic memory
+        exactly where context parallelism is used."""
         rows, span = q.shape[2], k.shape[2]
-        # lower-right causal: query j sits at key position j + span - rows
-        mask = (None if rows == span else
-                torch.ones(rows, span, dtype=torch.bool, device=q.device).tril(span - rows))
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            enable_gqa=q.shape[1] != k.shape[1], dropout_p=self.dropout if self.training else 0.0)
+        gqa = q.shape[1] != k.shape[1]
+        dropout = self.dropout if self.training else 0.0
+        if rows == span:  # the first chunk: its diagonal block only
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+                                                  dropout_p=dropout)
+        if not dropout and _lse_kernel(q) is not None:
+            return _SplitCausalAttention.apply(q, k, v, span - rows)
+        # Attention dropout: the merged kernels would need each part's RNG
+        # replayed in backward; this (rare: GPT configs with dropout) keeps
+        # the masked call, lower-right causal: query j sits at key j + span - rows.
+        mask = torch.ones(rows, span, dtype=torch.bool, device=q.device).tril(span - rows)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa,
+                                              dropout_p=dropout)
+
+
+# ---------------------------------------------------------------- fused parts
+# SDPA's public function returns no log-sum-exp, so the parts call the aten
+# kernels behind it, which do (the same ones torch's own ring attention in
+# torch.distributed.tensor.experimental calls; present, with these
+# signatures, in torch 2.11 and 2.13). Backward calls each kernel's backward
+# with the *merged* output and log-sum-exp: that is exactly the part's share
+# of dq, dk and dv (the softmax rows are recomputed against the global
+# normaliser), as in ring flash attention.
+_aten = torch.ops.aten
+
+
+def _lse_kernel(q: torch.Tensor) -> str | None:
+    """Which aten kernel serves ``q``'s device and dtype: "cpu" (the CPU
+    flash kernel), "flash" (CUDA, half precision, head dim a multiple of 8 up
+    to 256), "efficient" (CUDA otherwise), None (elsewhere)."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type != "cuda":
+        return None
+    d = q.shape[-1]
+    if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+        return "flash"
+    return "efficient"
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _part_forward(kind: str, q, k, v, causal: bool):
+    """(out, lse [B, H, T] fp32-able, state for the backward) of one part.
+    The CPU and CUDA flash kernels take K/V with fewer heads (GQA) as they
+    are; the efficient kernel needs them repeated."""
+    if kind == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if kind == "flash":
+        out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal)
+        return out, lse, (cq, ck, mq, mk, seed, offset)
+    heads = q.shape[1]
+    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, True, 0.0, causal)
+    # its log-sum-exp is padded along T to a multiple of 32
+    return out, lse[..., :q.shape[2]], (seed, offset, lse.shape[-1])
+
+
+def _part_backward(kind: str, dout, q, k, v, out, lse, causal: bool, state):
+    if kind == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    if kind == "flash":
+        cq, ck, mq, mk, seed, offset = state
+        return _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset)
+    seed, offset, padded = state
+    heads, kv_heads = q.shape[1], k.shape[1]
+    lse = F.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out, lse, seed, offset,
+        0.0, [True, True, True, False], causal)
+    if kv_heads != heads:  # sum each group's gradients back onto its shared head
+        B, _, S, D = dk.shape
+        dk = dk.view(B, kv_heads, heads // kv_heads, S, D).sum(2)
+        dv = dv.view(B, kv_heads, heads // kv_heads, S, D).sum(2)
+    return dq, dk, dv
+
+
+class _SplitCausalAttention(torch.autograd.Function):
+    """Attention of query chunk ``q`` [B, H, c, D] over ``k``/``v`` [B, Hkv,
+    split + c, D]: keys [0, split) fully visible, the last c keys causal
+    (the chunk's diagonal block). Two fused calls merged by log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, split: int):
+        kind = _lse_kernel(q)
+        parts = ((k[:, :, :split], v[:, :, :split], False),
+                 (k[:, :, split:], v[:, :, split:], True))
+        results = [_part_forward(kind, q, pk, pv, causal) for pk, pv, causal in parts]
+        (o1, l1, s1), (o2, l2, s2) = results
+        l1, l2 = l1.float(), l2.float()
+        lse = torch.logaddexp(l1, l2)
+        out = (o1.float() * torch.exp(l1 - lse).unsqueeze(-1)
+               + o2.float() * torch.exp(l2 - lse).unsqueeze(-1)).to(q.dtype)
+        lse = lse.to(results[0][1].dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kind, ctx.split, ctx.states = kind, split, (s1, s2)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        split, dout = ctx.split, dout.contiguous()
+        grads = [_part_backward(ctx.kind, dout, q, k[:, :, sl], v[:, :, sl], out, lse, causal,
+                                state)
+                 for sl, causal, state in ((slice(0, split), False, ctx.states[0]),
+                                           (slice(split, None), True, ctx.states[1]))]
+        (dq1, dk1, dv1), (dq2, dk2, dv2) = grads
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None
 
 
 def apply_context_parallel(blocks: list[nn.Module], cp_mesh) -> None:
