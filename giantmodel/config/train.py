@@ -53,6 +53,16 @@ class TrainConfig:
     spike_factor: float = 0.0
     """Skip a step whose loss exceeds this factor times the median loss of the
     last 20 applied steps (checked once 5 are known); 0 disables the check."""
+    loss_impl: Literal["auto", "chunked", "liger", "plain"] = "auto"
+    """LM cross-entropy: chunked runs the output head and the loss a slice of
+    tokens at a time, so the [tokens, vocab] logits are never held (2.1 GB in
+    fp32 for 4096 tokens of a 128K vocabulary); liger is liger-kernel's fused
+    linear cross-entropy (CUDA, when installed); plain computes the full
+    logits; auto picks liger on CUDA when installed, else chunked. Layouts
+    with tp > 1 or pipeline stages use plain (the head is sharded or split)."""
+    tf32: bool = True
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores
+    (fp32 range, 10-bit mantissa, several times faster); false keeps IEEE fp32."""
 
     def validate(self) -> None:
         for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every"):

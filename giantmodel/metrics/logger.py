@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
@@ -16,6 +18,39 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def peak_memory(device: torch.device, reset: bool = True) -> dict[str, float]:
+    """This process's peak memory, in GiB, for a metrics record.
+
+    CUDA: the caching allocator's peak allocated and reserved bytes since
+    the last reset (``reset`` starts the next window: a record then shows
+    the peak of the steps since the previous record). CPU: the peak resident
+    set size of the process so far (``ru_maxrss``; it cannot be reset).
+    Host-side reads only: no device synchronisation."""
+    if device.type == "cuda":
+        out = {"mem_max_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+               "mem_max_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return {}
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes
+    return {"mem_peak_rss_gb": kib / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+def format_memory(record: dict) -> str:
+    """The memory part of a progress line: peak allocated/reserved on CUDA
+    (e.g. ' mem 12.3/14.0 GB'), peak RSS on a CPU; empty without the fields."""
+    if "mem_max_allocated_gb" in record:
+        return f" mem {record['mem_max_allocated_gb']:.1f}/{record['mem_max_reserved_gb']:.1f} GB"
+    if "mem_peak_rss_gb" in record:
+        return f" rss {record['mem_peak_rss_gb']:.1f} GB"
+    return ""
 
 
 class MetricsLogger:

@@ -16,6 +16,7 @@ embeddings across stages.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from giantmodel.config.errors import ConfigError
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.schema import JobConfig
 from giantmodel.config.train import TrainConfig
-from giantmodel.core.loss import IGNORE_INDEX
+from giantmodel.core.loss import IGNORE_INDEX, check_loss_impl, head_computes_loss, resolve_loss_impl
 from giantmodel.data import build_loaders, build_tokenizer, vocab_size_of
 from giantmodel.data.chat import chat_reply
 from giantmodel.data.sft import prepare_sft, sft_template
@@ -45,6 +46,8 @@ from giantmodel.parallel.tensor import (
 
 _EMBEDDING, _HEAD = "tok_embeddings.weight", "output.weight"
 
+log = logging.getLogger(__name__)
+
 
 class LanguageModel(BaseObjective):
     name = "lm"
@@ -57,6 +60,7 @@ class LanguageModel(BaseObjective):
         self.seed = train.seed
         self._vocab_parallel = False
         self._cp_mesh = None
+        self._loss_impl: str | None = None  # train.loss_impl, resolved at the first loss
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> LanguageModel:
@@ -73,6 +77,9 @@ class LanguageModel(BaseObjective):
             raise ConfigError(
                 f"the tokenizer has {vocab} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}", "model.vocab_size")
+        device = cfg.train.device
+        check_loss_impl(cfg.train.loss_impl, "cuda" if device == "auto" and
+                        torch.cuda.is_available() else device)
         return cls(cfg.model, data=cfg.data, train=cfg.train)
 
     # ------------------------------------------------------------ the model
@@ -131,8 +138,26 @@ class LanguageModel(BaseObjective):
                 {"positions": positions})
 
     def loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, labels, kwargs = self._local_inputs(batch, _device_of(module))
-        return vocab_parallel_cross_entropy(module(ids, **kwargs), labels)
+        device = _device_of(module)
+        ids, labels, kwargs = self._local_inputs(batch, device)
+        impl = self._head_loss_impl(module, device)
+        if impl == "plain":
+            return vocab_parallel_cross_entropy(module(ids, **kwargs), labels)
+        # The head returns the loss sum: [tokens, vocab] logits never exist.
+        with head_computes_loss(module.output, labels, impl):
+            loss_sum = module(ids, **kwargs)
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def _head_loss_impl(self, module: nn.Module, device: torch.device) -> str:
+        """``train.loss_impl`` for this model and layout (pipeline stages
+        compute their loss in ``stage_loss``, on logits)."""
+        if self._loss_impl is None:
+            requested = self.train_cfg.loss_impl
+            self._loss_impl, why = resolve_loss_impl(requested, module.output, device.type,
+                                                     vocab_parallel=self._vocab_parallel)
+            if why and requested != "auto":
+                log.warning("train.loss_impl=%s: using the plain loss: %s", requested, why)
+        return self._loss_impl
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel_context(self._vocab_parallel)

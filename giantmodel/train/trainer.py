@@ -25,7 +25,7 @@ from giantmodel.comm.autotune import tune
 from giantmodel.config import ConfigError, JobConfig, dump_config
 from giantmodel.config.errors import RunStopped
 from giantmodel.core.optim import SchedulerState, build_scheduler
-from giantmodel.core.precision import Precision
+from giantmodel.core.precision import Precision, configure_tf32
 from giantmodel.data.checks import check_data
 from giantmodel.distributed.init import (
     HostLostError,
@@ -40,7 +40,7 @@ from giantmodel.distributed.init import (
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.distributed.placement import resolve_placement
 from giantmodel.metrics.flops import peak_flops
-from giantmodel.metrics.logger import MetricsLogger
+from giantmodel.metrics.logger import MetricsLogger, format_memory, peak_memory
 from giantmodel.objectives import build_objective
 from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
@@ -102,6 +102,7 @@ class Trainer:
 
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
+        configure_tf32(self.device.type, cfg.train.tf32)
         if self.device.type == "cpu" and cfg.train.bind_cores:
             bind_cpu_cores(self.info, cfg.train.threads)
         backend, pg_options = backend_for(cfg.comm, self.device.type, self.info.world_size)
@@ -292,6 +293,7 @@ class Trainer:
                     f"on {self.info.world_size} x {self.device.type}, {self.dims.summary}, "
                     f"steps {self.state.step}->{t.steps}")
         self.metrics.start(self.state.step)
+        peak_memory(self.device)  # each record's peak covers the steps since the one before
         summary: dict = {"first_loss": None, "val_loss": None}
         window_t0, window_steps = time.perf_counter(), 0
         try:
@@ -308,17 +310,19 @@ class Trainer:
                     record = {"step": step, "loss": out["loss"], "lr": out["lr"],
                               "grad_norm": out["grad_norm"], f"{unit}_per_sec": tps,
                               "mfu": flops_per_unit * tps / peak if peak else 0.0,
-                              "step_time_s": dt, unit: self.state.tokens_seen}
+                              "step_time_s": dt, unit: self.state.tokens_seen,
+                              **peak_memory(self.device)}
                     if cfg.precision == "fp16":
                         record["loss_scale"] = self.precision.scale
                     if out["skipped"]:
                         record["skipped"] = True
                     self.metrics.log(record)
-                    self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s")
+                    mem = format_memory(record)
+                    self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s{mem}")
                     if not sys.stderr.isatty():
                         self._print(f"step {step}/{t.steps} loss {out['loss']:.4f} "
                                     f"lr {out['lr']:.2e} gnorm {out['grad_norm']:.3f} "
-                                    f"{tps:,.0f} {unit}/s mfu {record['mfu']:.1%}")
+                                    f"{tps:,.0f} {unit}/s mfu {record['mfu']:.1%}{mem}")
                     window_t0, window_steps = time.perf_counter(), 0
                 if t.eval_every and (step % t.eval_every == 0 or last):
                     val = self.evaluate()
