@@ -80,6 +80,9 @@ class LanguageModel(BaseObjective):
         device = cfg.train.device
         check_loss_impl(cfg.train.loss_impl, "cuda" if device == "auto" and
                         torch.cuda.is_available() else device)
+        if cfg.parallel.pp > 1 and cfg.train.loss_impl not in ("auto", "plain"):
+            log.warning("train.loss_impl=%s: pipeline stages compute the plain loss on the "
+                        "last stage's logits", cfg.train.loss_impl)
         return cls(cfg.model, data=cfg.data, train=cfg.train)
 
     # ------------------------------------------------------------ the model
