@@ -92,6 +92,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None,
+                   help="where a text model runs: cuda, cuda:N or cpu (default: cuda when "
+                   "available)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="weights' dtype for a text model (default auto: bf16 on a GPU, fp32 "
+                   "on the CPU)")
     sd = p.add_argument_group("Stable Diffusion")
     sd.add_argument("--out", default="sample.png", help="PNG to write (default sample.png)")
     sd.add_argument("--sampler", choices=("ddim", "euler"), default="ddim")

@@ -11,7 +11,7 @@ from giantmodel.data import build_tokenizer
 from giantmodel.data.chat import chat_reply, resolve_template, tokenizer_chat_template
 from giantmodel.data.sft import sft_tokenizer_path
 from giantmodel.data.tokenizer import load_tokenizer
-from giantmodel.models.generate import generate_text
+from giantmodel.models.generate import generate_text, place_for_generation
 from giantmodel.models.hf import from_hf
 
 
@@ -21,7 +21,14 @@ def _run_dir_of(checkpoint: Path) -> Path:
 
 
 def load_for_generation(args):
-    """(model, tokenizer, run config or None) for the source the user named."""
+    """(model, tokenizer, run config or None) for the source the user named,
+    the model placed on ``--device`` in ``--dtype``."""
+    model, tok, cfg = _load_for_generation(args)
+    place_for_generation(model, getattr(args, "device", None), getattr(args, "dtype", "auto"))
+    return model, tok, cfg
+
+
+def _load_for_generation(args):
     if args.hf:
         model = from_hf(args.hf)
         tok_path = args.tokenizer or _find_hf_tokenizer(Path(args.hf))

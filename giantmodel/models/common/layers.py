@@ -104,6 +104,51 @@ class CausalSDPA(nn.Module):
             q, k, v, is_causal=True, enable_gqa=gqa, dropout_p=dropout)
 
 
+class KVCache:
+    """Keys and values of the tokens already seen, per layer, for generation.
+
+    Each layer's entry grows by the new tokens' K/V [B, Hkv, t, D] at every
+    step (``torch.cat``: one copy per step, negligible next to the forward it
+    replaces for the short contexts ``giantmodel generate`` serves). Training
+    never passes one: its path is unchanged."""
+
+    def __init__(self):
+        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+        """Tokens cached so far (the next token's position)."""
+
+    def layer(self, name: str) -> _LayerCache:
+        return _LayerCache(self, name)
+
+    def advance(self, tokens: int) -> None:
+        self.length += tokens
+
+
+class _LayerCache:
+    def __init__(self, cache: KVCache, name: str):
+        self.cache, self.name = cache, name
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's ``k``/``v`` [B, H, t, D]; all of them so far."""
+        old = self.cache._kv.get(self.name)
+        if old is not None:
+            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        self.cache._kv[self.name] = (k, v)
+        return k, v
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last ``q.shape[2]`` positions over all of ``k``
+    (the cached keys first): lower-right aligned, which SDPA's ``is_causal``
+    is only when the two lengths are equal. One new token sees every key."""
+    rows, span = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if rows == span or rows == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=rows > 1, enable_gqa=gqa)
+    mask = torch.ones(rows, span, dtype=torch.bool, device=q.device).tril(span - rows)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  bias: bool = False, dropout: float = 0.0):
@@ -116,7 +161,9 @@ class Attention(nn.Module):
         self.core = CausalSDPA(dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
-                mask=None) -> torch.Tensor:
+                mask=None, cache: _LayerCache | None = None) -> torch.Tensor:
+        """``cache`` (generation only): this layer's :class:`KVCache` entry;
+        ``x`` then holds only the new tokens and ``rope`` their positions."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism the projections are column shards.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -125,6 +172,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            out = cached_attention(q, *cache.update(k, v))
+            return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         # The mask goes only where there is one, so a replaced core (context
         # parallelism) keeps its three-argument signature.
         out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from giantmodel.config.model import ModelConfig
-from giantmodel.models.common.layers import rope_table
+from giantmodel.models.common.layers import KVCache, rope_table
 from giantmodel.models.common.masks import document_mask
 
 
@@ -74,18 +74,22 @@ class Transformer(nn.Module):
                                    c.rope_scaling, device=device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """``tokens`` [B, T] ids (or [B, T, H] hidden states on a later
         pipeline stage) -> logits [B, T, V] (or hidden states).
 
         ``positions`` [T] or [B, T] gives each token's absolute position when
         the sequence is not 0..T-1 (context-parallel shards, packed examples).
         ``document_ids`` [B, T] marks packed examples: attention then stays
-        within each example (block-diagonal causal); None is plain causal."""
+        within each example (block-diagonal causal); None is plain causal.
+        ``cache`` (generation): ``tokens`` follow the ``cache.length`` tokens
+        already cached, whose keys and values are reused, not recomputed."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         T = h.shape[1]
         if positions is None:
-            positions = torch.arange(T, device=h.device)
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + T, device=h.device)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         h = self.embed_dropout(h)
@@ -93,8 +97,17 @@ class Transformer(nn.Module):
         mask = None
         if document_ids is not None:
             mask = document_mask(document_ids, _compute_dtype(h))
-        for layer in self.layers.values():
-            h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
+        if cache is not None and mask is not None:
+            raise ValueError("a KV cache serves one sequence per row, not packed batches")
+        for name, layer in self.layers.items():
+            # Keywords only where given: a wrapped block (recompute, compile)
+            # keeps the plain call of training.
+            if cache is not None:
+                h = layer(h, rope, cache=cache.layer(name))
+            else:
+                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
+        if cache is not None:
+            cache.advance(T)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -22,8 +22,9 @@ class GPTBlock(nn.Module):
         self.feed_forward = GeluMLP(h, cfg.ffn_hidden_size, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
-                mask=None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x), mask=mask))
+                mask=None, cache=None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), mask=mask,
+                                                  cache=cache))
         return x + self.feed_forward(self.ffn_norm(x))
 
 

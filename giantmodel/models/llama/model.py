@@ -20,8 +20,9 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(h, cfg.norm_eps)
         self.feed_forward = SwiGLU(h, cfg.ffn_hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask=None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask=None,
+                cache=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
