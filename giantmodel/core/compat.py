@@ -45,7 +45,10 @@ def _accepts(fn: Callable | None, keyword: str) -> bool:
 
 
 def _pipeline_get_mesh() -> bool:
-    from torch.distributed import pipelining
+    try:
+        from torch.distributed import pipelining
+    except ImportError:  # a torch built without distributed
+        return False
 
     return _accepts(pipelining.PipelineStage.__init__, "get_mesh")
 
@@ -65,7 +68,7 @@ def _varlen_enable_gqa() -> bool:
 def _all_gather_single() -> bool:
     import torch.distributed as dist
 
-    return hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
+    return dist.is_available() and hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
 
 
 PROBES: dict[str, Callable[[], bool]] = {
@@ -74,33 +77,27 @@ PROBES: dict[str, Callable[[], bool]] = {
     "all_gather_single": _all_gather_single,
 }
 
-_results: dict[str, bool] = {}
-_forced: set[str] = set()
-_env_off: frozenset[str] | None = None
+
+def _env_forced_off() -> frozenset[str]:
+    names = {n.strip() for n in os.environ.get(ENV_OFF, "").split(",") if n.strip()}
+    unknown = names - PROBES.keys()
+    if unknown:  # a typo would silently test the new path instead
+        raise ValueError(f"{ENV_OFF} names unknown probes {sorted(unknown)}; "
+                         f"known: {sorted(PROBES)}")
+    return frozenset(names)
 
 
-def _off_by_env() -> frozenset[str]:
-    global _env_off
-    if _env_off is None:
-        names = {n.strip() for n in os.environ.get(ENV_OFF, "").split(",") if n.strip()}
-        unknown = names - PROBES.keys()
-        if unknown:  # a typo would silently test the new path instead
-            raise ValueError(f"{ENV_OFF} names unknown probes {sorted(unknown)}; "
-                             f"known: {sorted(PROBES)}")
-        _env_off = frozenset(names)
-    return _env_off
+# Probed at import, not on first use: a call site may sit inside a
+# torch.compile'd block, where tracing ``inspect`` would break the graph;
+# there :func:`has` is only dictionary and set lookups.
+_results: dict[str, bool] = {name: probe() for name, probe in PROBES.items()}
+_forced: set[str] = set(_env_forced_off())
 
 
 def has(name: str) -> bool:
-    """Whether the installed torch has the API ``name`` (a key of :data:`PROBES`),
-    and it is not forced off. The probe itself runs once per process."""
-    if name not in PROBES:
-        raise KeyError(f"unknown torch feature probe {name!r}; known: {sorted(PROBES)}")
-    if name in _forced or name in _off_by_env():
-        return False
-    if name not in _results:
-        _results[name] = PROBES[name]()
-    return _results[name]
+    """Whether the installed torch has the API ``name`` (a key of :data:`PROBES`)
+    and it is not forced off."""
+    return _results[name] and name not in _forced
 
 
 @contextlib.contextmanager
@@ -109,7 +106,7 @@ def forced_off(*names: str) -> Iterator[None]:
     for n in names:
         if n not in PROBES:
             raise KeyError(f"unknown torch feature probe {n!r}")
-    added = set(names) - _forced
+    added = set(names) - _forced  # env-forced names stay off after the block
     _forced.update(added)
     try:
         yield

@@ -173,9 +173,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
     if isinstance(mask, VarlenMask):
         from torch.nn.attention.varlen import varlen_attn
 
+        from giantmodel.core import compat
+
+        gqa_kw = {"enable_gqa": True} if gqa else {}
+        if gqa and not compat.has("varlen_enable_gqa"):  # torch 2.11's varlen_attn
+            k, v = compat.expand_kv_heads(k, v, q.shape[1], head_dim=1)
+            gqa_kw = {}
         B, H, T, D = q.shape
         flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
         out = varlen_attn(*flat, mask.cu_seqlens, mask.cu_seqlens, mask.max_len, mask.max_len,
-                          window_size=(-1, 0), enable_gqa=gqa)
+                          window_size=(-1, 0), **gqa_kw)
         return out.reshape(B, T, H, D).transpose(1, 2)
     raise TypeError(f"unknown attention mask {type(mask).__name__}")
