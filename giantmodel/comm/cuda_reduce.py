@@ -77,7 +77,20 @@ class CpuReduce:
         ``stream`` is the caller's stream (the tensor's producer and later
         consumers); ``premul`` scales every rank's input before the sum, as
         ReduceOp.PREMUL_SUM defines, on the GPU.
+
+        Runs with ``t``'s GPU as the current device. The group's engine
+        thread starts on device 0, and whatever it creates without naming a
+        device -- the pinned buffers, the events, the extension's kernel
+        launch -- would open a context on GPU 0 in every rank's process (or
+        fail: an event made on GPU 0 cannot be recorded on GPU 1's stream).
+        The block restores the caller's device, so an inline call leaves its
+        caller as it was.
         """
+        with torch.cuda.device(t.device):
+            self._all_reduce(t, op, scale, stream, premul)
+
+    def _all_reduce(self, t: torch.Tensor, op: int, scale: float,
+                    stream: torch.cuda.Stream | None, premul: float | None) -> None:
         flat = t.view(-1)
         n = flat.numel()
         if n == 0:

@@ -45,9 +45,22 @@ def pick_device(requested: str, info: WorldInfo) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError("CUDA was requested but is not available; set train.device=cpu",
                               "train.device")
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(_local_gpu(info, torch.cuda.device_count()))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _local_gpu(info: WorldInfo, visible: int) -> int:
+    """This rank's GPU: its local rank. More local ranks than visible GPUs
+    would put two ranks on one GPU (silently, with ``% device_count``), where
+    NCCL fails or hangs and memory runs out; stop with the fix instead."""
+    if info.local_rank >= visible or info.local_world_size > visible:
+        raise RuntimeError(
+            f"local rank {info.local_rank} of {info.local_world_size} ranks on this node but "
+            f"{visible} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): launch at most {visible} "
+            f"ranks per node (--nproc-per-node {visible}) or make more GPUs visible")
+    return info.local_rank
 
 
 def bind_cpu_cores(info: WorldInfo, threads: int | None = None) -> list[int] | None:
