@@ -207,3 +207,101 @@ def test_split_causal_attention_cuda_kernels_plumbing(monkeypatch, kind):
     assert out.shape == q.shape and out.dtype == dtype
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+# ------------------------------------------------------------ QLoRA
+# Every block linear a multiple of 64 x 256 values, so NF4 holds them all.
+QTINY = ["model.arch=llama", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
+         "model.num_kv_heads=4", "model.ffn_hidden_size=256", "model.vocab_size=256",
+         "model.max_seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def qbase(tmp_path_factory):
+    from giantmodel.config import load_config
+    from giantmodel.models.hf import to_hf
+
+    root = tmp_path_factory.mktemp("qlora")
+    cfg = load_config(overrides=QTINY + ["train.seq_len=16"])
+    to_hf(_model(cfg.model, seed=7), cfg.model, root / "base")
+    return root / "base"
+
+
+def _qconfig(base, run_dir, *extra):
+    from giantmodel.config import load_config
+
+    return load_config(overrides=QTINY + [
+        "objective=lora", "lora.rank=4", "lora.alpha=8.0", "lora.targets=[all_linear]",
+        "data.source=synthetic", f"checkpoint.init_from={base}", f"run.dir={run_dir}",
+        "train.steps=3", "train.seq_len=16", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "train.eval_every=0", "train.sample_tokens=0",
+        "train.device=cpu", "checkpoint.every=0", "run.tensorboard=false",
+        "run.progress=false", "optim.lr=0.01", "optim.warmup_steps=0",
+        "optim.schedule=constant", *extra])
+
+
+def _losses(cfg, steps: int = 3):
+    from giantmodel.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        model = trainer.engine.parts[0]
+        return [trainer.train_step()["loss"] for _ in range(steps)], model
+    finally:
+        trainer.close()
+
+
+def test_qlora_stages_the_float_base_linears_off_the_device():
+    """With a device stand-in (meta) the objective materialises the model
+    on: every linear NF4 will hold is staged on the CPU (in bf16 under bf16
+    training), so none lands on the device in float; everything else does."""
+    pytest.importorskip("torchao")
+    from giantmodel.models.lora import LoRALinear
+    from giantmodel.objectives.lora import LoRA
+    from giantmodel.parallel.objective import StageSpec
+
+    obj = LoRA.from_config(_qconfig("/nowhere", "/nowhere", "lora.quantize_base=nf4",
+                                    "precision=bf16"))
+    module = obj.build(StageSpec())
+    obj.init_weights(module, torch.device("meta"))
+    staged = {n for n, m in module.named_modules() if isinstance(m, LoRALinear)}
+    assert len(staged) == 2 * 7
+    for name, p in module.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        if owner in staged and name.endswith(".weight"):
+            assert p.device.type == "cpu" and p.dtype == torch.bfloat16, name
+        else:
+            assert p.is_meta, name
+
+
+def test_qlora_bf16_build_and_training(qbase, tmp_path):
+    """After loading: base linears NF4 (dequantising to bf16), the other
+    frozen parameters bf16, adapters fp32 and alone trainable; bf16 QLoRA
+    trains with a loss near fp32 LoRA's from the same base."""
+    pytest.importorskip("torchao")
+    from giantmodel.models.lora import LoRALinear
+
+    ref, _ = _losses(_qconfig(qbase, tmp_path / "lora", "precision=fp32"))
+    losses, model = _losses(_qconfig(qbase, tmp_path / "q", "precision=bf16",
+                                     "lora.quantize_base=nf4"))
+    nf4 = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert nf4 and all(hasattr(m.weight, "get_original_weight") for m in nf4)
+    assert all(m.base_weight().dtype == torch.bfloat16 for m in nf4)
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            assert p.requires_grad and p.dtype == torch.float32, name
+        elif not hasattr(p, "get_original_weight"):
+            assert not p.requires_grad and p.dtype == torch.bfloat16, name
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref, strict=True)), (losses, ref)
+    assert losses[-1] < losses[0]
+
+
+def test_qlora_fp32_loss_matches_lora(qbase, tmp_path):
+    """fp32 QLoRA: the base stays fp32 where NF4 cannot hold it, and the
+    loss follows plain LoRA's within the 4-bit error."""
+    pytest.importorskip("torchao")
+    ref, _ = _losses(_qconfig(qbase, tmp_path / "lora", "precision=fp32"))
+    losses, model = _losses(_qconfig(qbase, tmp_path / "q", "precision=fp32",
+                                     "lora.quantize_base=nf4"))
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref, strict=True)), (losses, ref)

@@ -76,6 +76,12 @@ class LoRALinear(nn.Module):
             out = out + self.bias if self.bias is not None else out
         else:
             out = F.linear(x, self.weight, self.bias)
+        # A bf16 frozen base (QLoRA / LoRA under bf16 training) hands fp32
+        # adapters bf16 inputs; autocast casts them itself, plain calls
+        # (the sample printed after training) need the cast here.
+        a_dtype = self.lora_A.weight.dtype
+        if x.dtype != a_dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(a_dtype)
         # Scale the rank-r activations, not the output: B (s A x) = s B A x,
         # and the multiply (forward and backward) touches r columns, not out.
         delta = self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
@@ -141,11 +147,28 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float,
     return done
 
 
-def quantize_base_nf4(model: nn.Module) -> int:
+NF4_BLOCK = 64 * 256
+"""A weight is stored in NF4 when its size is a multiple of this (64-value
+blocks, scales double-quantised in blocks of 256)."""
+
+
+def nf4_quantizable(m: nn.Module) -> bool:
+    """Whether ``m`` is a LoRA linear whose float base weight NF4 can hold."""
+    return (isinstance(m, LoRALinear) and not hasattr(m.weight, "get_original_weight")
+            and m.weight.numel() % NF4_BLOCK == 0)
+
+
+def quantize_base_nf4(model: nn.Module, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> int:
     """QLoRA: store every adapted linear's frozen base weight as a 4-bit
     NormalFloat tensor (torchao; blocks of 64 values, double-quantised
     scales). A weight whose size is not a multiple of 64 x 256 values (the
-    scale blocks) stays in floating point. Returns the number quantised."""
+    scale blocks) stays in floating point. Returns the number quantised.
+
+    One linear at a time, the float weight is copied to ``device`` (default:
+    where it is) in ``dtype`` (default: its own; the NF4 tensor dequantises
+    to it), quantised there and dropped: a base staged on the CPU reaches the
+    GPU as 4-bit weights plus at most one float linear."""
     try:
         # Function-local import: torchao is an optional dependency of QLoRA only.
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -154,9 +177,10 @@ def quantize_base_nf4(model: nn.Module) -> int:
                              "or set lora.quantize_base=none") from None
     n = 0
     for m in model.modules():
-        if (isinstance(m, LoRALinear) and not hasattr(m.weight, "get_original_weight")
-                and m.weight.numel() % (64 * 256) == 0):
-            m.weight = nn.Parameter(to_nf4(m.weight.detach()), requires_grad=False)
+        if nf4_quantizable(m):
+            w = m.weight.detach().to(device or m.weight.device, dtype or m.weight.dtype)
+            m.weight = nn.Parameter(to_nf4(w), requires_grad=False)
+            del w
             n += 1
     return n
 

@@ -35,9 +35,10 @@ from giantmodel.models.lora import (
     freeze_base,
     is_lora_param,
     lora_init_tensor,
+    nf4_quantizable,
     quantize_base_nf4,
 )
-from giantmodel.models.registry import canonical_name, copy_full_into
+from giantmodel.models.registry import canonical_name, copy_full_into, full_init_tensor
 from giantmodel.objectives.lm import LanguageModel
 from giantmodel.objectives.lora_tp import lora_style
 from giantmodel.parallel.objective import StageSpec
@@ -56,6 +57,10 @@ class LoRA(LanguageModel):
         self.lora = lora
         self.init_from = init_from
         self._quantize_on_load = lora.quantize_base == "nf4"
+        self.frozen_dtype: torch.dtype | None = None
+        """The dtype the frozen float base is kept in (bf16 under bf16
+        training: autocast would cast it to bf16 for every matmul anyway);
+        None keeps it as built (fp32). The adapters stay fp32."""
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> LoRA:
@@ -65,6 +70,8 @@ class LoRA(LanguageModel):
         base = LanguageModel.from_config(cfg)
         obj = cls(base.model_cfg, data=base.data_cfg, train=base.train_cfg, lora=cfg.lora,
                   init_from=cfg.checkpoint.init_from)
+        if cfg.precision == "bf16":
+            obj.frozen_dtype = torch.bfloat16
         if not cfg.checkpoint.init_from:
             print("giantmodel: objective lora without checkpoint.init_from trains adapters on "
                   "a randomly initialised base", file=sys.stderr, flush=True)
@@ -90,13 +97,34 @@ class LoRA(LanguageModel):
         # Freeze again: parallel styles re-register the parameters they shard
         # (SequenceParallel's norm weights come back trainable).
         freeze_base(module)
+        # QLoRA: the linears NF4 will hold are never materialised in float
+        # on the device; they are staged on the CPU (filled by
+        # load_pretrained, or drawn here) and quantised one by one on their
+        # way to it.
+        staged = _unregister_nf4_bases(module) if self._quantize_on_load else {}
         super().init_weights(module, device)
         for fqn, p in module.named_parameters():
             name = canonical_name(fqn)
             if is_lora_param(name):
                 copy_full_into(p, lora_init_tensor(name, p.shape, self.lora.init, self.seed))
-        if self._quantize_on_load and not self.init_from:
-            quantize_base_nf4(module)
+        for fqn, (m, meta) in staged.items():
+            # In the compute dtype when it is bf16: half the host memory, and
+            # the values NF4 would be made from anyway.
+            cpu = torch.empty(meta.shape, dtype=self.frozen_dtype or meta.dtype, device="cpu")
+            if not self.init_from:  # a random base: the values plain init draws
+                cpu.copy_(full_init_tensor(canonical_name(fqn), meta.shape, self.model_cfg,
+                                           self.seed))
+            m.weight = nn.Parameter(cpu, requires_grad=False)
+        if not self.init_from:
+            self._finish_base(module, device)
+
+    def _finish_base(self, module: nn.Module, device: torch.device) -> None:
+        """The frozen base once it holds its values: NF4 linears moved to
+        ``device``, the other frozen float parameters in ``frozen_dtype``."""
+        if self._quantize_on_load:
+            quantize_base_nf4(module, device, self.frozen_dtype)
+        if self.frozen_dtype is not None:
+            cast_frozen(module, self.frozen_dtype)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         # Embeddings are frozen: pipeline copies of a tied weight stay equal
@@ -107,9 +135,8 @@ class LoRA(LanguageModel):
     def load_pretrained(self, parts: list[nn.Module], path: str | Path) -> Path:
         """The frozen base from ``path``; the adapters keep their initial values."""
         out = load_model_weights(parts, path, keep=_is_base)
-        if self._quantize_on_load:
-            for part in parts:
-                quantize_base_nf4(part)
+        for part in parts:
+            self._finish_base(part, _device_of(part))
         return out
 
     def checkpoint_filter(self) -> Callable[[str], bool] | None:
@@ -136,3 +163,43 @@ def _check_nf4_layout(cfg: JobConfig) -> None:
         raise ConfigError("QLoRA's NF4 base weights cannot be FSDP-sharded (zero 3, or zero 2 "
                           "with pipelines); use parallel.zero<=1, or zero 2 without pp",
                           "lora.quantize_base")
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """Where training runs: the adapters' device (a staged base is on the CPU)."""
+    for name, p in module.named_parameters():
+        if is_lora_param(name):
+            return p.device
+    return next(module.parameters()).device
+
+
+def _unregister_nf4_bases(module: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """Take the base weights NF4 will hold out of ``module`` (so that
+    materialising it allocates none of them): {module name: (LoRA linear,
+    its meta weight)}."""
+    staged = {}
+    for name, m in module.named_modules():
+        if nf4_quantizable(m):
+            staged[f"{name}.weight"] = (m, m.weight)
+            m._parameters["weight"] = None
+    return staged
+
+
+def cast_frozen(module: nn.Module, dtype: torch.dtype) -> int:
+    """Re-make every frozen floating-point parameter of ``module`` in
+    ``dtype`` (tied ones stay one parameter); NF4 weights and sharded
+    (DTensor) parameters, which their wrappers own, are left as they are.
+    Returns the number cast."""
+    from torch.distributed.tensor import DTensor
+
+    memo: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if (p is None or p.requires_grad or hasattr(p, "get_original_weight")
+                    or isinstance(p, DTensor) or not p.is_floating_point() or p.dtype == dtype):
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            m._parameters[name] = memo[id(p)]
+    return len(memo)
+
