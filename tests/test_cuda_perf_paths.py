@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -305,3 +306,106 @@ def test_qlora_fp32_loss_matches_lora(qbase, tmp_path):
                                      "lora.quantize_base=nf4"))
     assert model.tok_embeddings.weight.dtype == torch.float32
     assert all(abs(a - b) < 0.05 * b for a, b in zip(losses, ref, strict=True)), (losses, ref)
+
+
+# ------------------------------------------------------------ on a GPU
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_split_causal_attention_matches_masked_sdpa(dtype):
+    """The flash (bf16) and efficient (fp32) kernels' parts, merged by
+    log-sum-exp, against fp32 masked SDPA, with GQA: outputs and grads."""
+    import torch.nn.functional as F
+
+    from giantmodel.parallel.context import _lse_kernel, _SplitCausalAttention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 128, 64, device="cuda", generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 384, 64, device="cuda", generator=g).to(dtype).requires_grad_()
+            for _ in "kv")
+    dout = torch.randn_like(q)
+    assert _lse_kernel(q) == ("flash" if dtype == torch.bfloat16 else "efficient")
+    out = _SplitCausalAttention.apply(q, k, v, 256)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    mask = torch.ones(128, 384, dtype=torch.bool, device="cuda").tril(256)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                         enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.float())
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_selective_recompute_keeps_varlen_attention():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from giantmodel.parallel.recompute import _ATTENTION, apply_recompute
+
+    if not masks._varlen_available():
+        pytest.skip("this torch has no varlen_attn")
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in _ATTENTION:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    cfg = _tiny(layers=2, hidden_size=128, num_heads=2, num_kv_heads=1, ffn_hidden_size=256)
+    model = _model(cfg).to("cuda", torch.bfloat16)
+    apply_recompute(model, {f"layers.{i}": "selective" for i in range(2)})
+    ids = torch.randint(0, 64, (2, 32), device="cuda")
+    docs = torch.tensor([[0] * 12 + [1] * 20, [0] * 32], device="cuda")
+    counter = Count()
+    with counter:
+        model(ids, document_ids=docs).float().sum().backward()
+    assert len(counter.ops) == 2 and all("varlen" in op for op in counter.ops), counter.ops
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_generate_bf16_with_cache():
+    from giantmodel.models.generate import generate, place_for_generation
+
+    model = place_for_generation(_model(_tiny("llama", max_seq_len=64)))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    out = generate(model, prompt, 16, temperature=0)
+    assert out.shape == (1, 20) and out.device.type == "cuda"
+    fp32 = place_for_generation(_model(_tiny("gpt", max_seq_len=64)), "cuda", "fp32")
+    assert torch.equal(generate(fp32, prompt, 16, temperature=0),
+                       generate(fp32, prompt, 16, temperature=0, use_cache=False))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_qlora_peak_memory_stays_below_the_float_base(qbase, tmp_path):
+    """On the GPU, building and loading the QLoRA model never holds the
+    float block linears there: the peak stays well under the fp32 model."""
+    pytest.importorskip("torchao")
+    from giantmodel.config import load_config
+    from giantmodel.models.registry import count_params
+    from giantmodel.train.trainer import Trainer
+
+    cfg = _qconfig(qbase, tmp_path / "q", "precision=bf16", "lora.quantize_base=nf4",
+                   "train.device=cuda")
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    trainer = Trainer(cfg)
+    try:
+        peak = torch.cuda.max_memory_allocated() - before
+        loss = trainer.train_step()["loss"]
+    finally:
+        trainer.close()
+    fp32_bytes = 4 * count_params(_model(load_config(overrides=QTINY).model))
+    assert peak < 0.6 * fp32_bytes, (peak, fp32_bytes)
+    assert math.isfinite(loss)

@@ -6,9 +6,11 @@ amount of the causal triangle's work. Each rank projects Q/K/V for its own
 tokens; K and V, stacked, are all-gathered across the cp group in one
 collective (the backward is one reduce-scatter of their gradients). The
 gathered keys are put in position order, and each of a rank's two chunks
-attends to the keys up to its own end, under a causal mask aligned to that
-end: a rank computes (2cp + 1) / (4cp) of its queries x all keys, not all
-of it, and no mask spans the whole sequence.
+attends to the keys up to its own end: a rank computes (2cp + 1) / (4cp) of
+its queries x all keys, not all of it. Chunks are aligned with the causal
+mask, so each chunk's keys are a fully visible part (the chunks before it)
+and its own diagonal block (square causal); the two run as fused kernels
+with no mask tensor and are merged by their log-sum-exps.
 
 Each collective is waited on before its result leaves the autograd
 function. The earlier form, ``all_gather_single_autograd`` (an
@@ -21,7 +23,8 @@ path, not gloo's concurrency, is what the fix removes.
 
 ``torch.distributed.tensor.experimental.context_parallel`` targets the CUDA
 flash/efficient SDPA kernels, so this module implements the all-gather form
-directly; it runs on gloo and NCCL alike.
+directly; it runs on gloo and NCCL alike, and on the CPU through the CPU
+flash kernel. Attention dropout keeps the older masked call.
 """
 
 from __future__ import annotations
