@@ -409,3 +409,11 @@ def test_cuda_qlora_peak_memory_stays_below_the_float_base(qbase, tmp_path):
     fp32_bytes = 4 * count_params(_model(load_config(overrides=QTINY).model))
     assert peak < 0.6 * fp32_bytes, (peak, fp32_bytes)
     assert math.isfinite(loss)
+
+
+def test_document_mask_of_an_inference_tensor_is_built_each_time():
+    with torch.inference_mode():
+        docs = torch.tensor([[0, 0, 1, 1]])
+        first = masks.document_mask(docs, torch.float32)
+        assert masks.document_mask(docs, torch.float32) is not first
+    torch.testing.assert_close(first.mask, masks.dense_document_mask(docs))

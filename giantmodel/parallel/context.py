@@ -158,14 +158,16 @@ _aten = torch.ops.aten
 
 def _lse_kernel(q: torch.Tensor) -> str | None:
     """Which aten kernel serves ``q``'s device and dtype: "cpu" (the CPU
-    flash kernel), "flash" (CUDA, half precision, head dim a multiple of 8 up
-    to 256), "efficient" (CUDA otherwise), None (elsewhere)."""
+    flash kernel), "flash" (CUDA sm80+, half precision, head dim a multiple
+    of 8 up to 256), "efficient" (CUDA otherwise), None (elsewhere)."""
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type != "cuda":
         return None
     d = q.shape[-1]
-    if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+    # FlashAttention-2 needs Ampere or later; older GPUs take the efficient kernel.
+    ampere = torch.cuda.get_device_capability(q.device)[0] >= 8
+    if ampere and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
         return "flash"
     return "efficient"
 

@@ -123,6 +123,8 @@ def document_mask(document_ids: torch.Tensor, compute_dtype: torch.dtype,
     takes (see the module docstring). ``kernel`` forces one: "dense",
     "varlen" or "flex". Built once per batch: every layer shares it, and a
     second call with the same (unmodified) tensor returns the same mask."""
+    if document_ids.is_inference():  # no version counter to tell an in-place change
+        return _build_document_mask(document_ids, compute_dtype, kernel)
     key = (document_ids._version, tuple(document_ids.shape), compute_dtype, kernel)
     mask = _LastMask.get(document_ids, key)
     if mask is None:
