@@ -39,7 +39,11 @@ setup(
     package_data={"giantmodel": ["py.typed"]},
     install_requires=[
         # A range that an installed torch satisfies installs nothing more.
-        "torch>=2.6",
+        # 2.11 is the oldest torch the code is checked against: every newer
+        # API it uses goes through a probe in giantmodel/core/compat.py.
+        # Older releases lack APIs used unprobed (varlen_attn's window_size,
+        # FSDP2 and DTensor keywords).
+        "torch>=2.11",
         "pyyaml>=6",
         "sentencepiece>=0.2",
         "safetensors>=0.4",

@@ -8,10 +8,12 @@ ops, uneven splits, point-to-point, CUDA tensors -- goes to an inner gloo
 (CPU) or NCCL (CUDA) backend over the same store, so a result is either
 accelerated or exactly the stock one, never an approximation.
 
-The inner gloo backend is also registered as this group's CPU backend. Torch
-reads a group's name through its registered backends, and FSDP2 and the
-functional collectives look groups up by name, so without it they fail with
-"ProcessGroup name not set".
+The inner gloo backend is also registered as this group's CPU backend, and
+the inner NCCL one (gloo without CUDA) as its CUDA backend. Torch reads a
+group's name through its registered backends, and FSDP2 and the functional
+collectives look groups up by name, so without them they fail with
+"ProcessGroup name not set"; ``init_process_group(device_id=...)`` asks for
+the CUDA backend by device.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class GiantProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
                                self._gloo)
         self._nccl = self._make_nccl(store, rank, size, timeout)
+        self._register_cuda_backend()
         self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
         self.topology = Topology.discover(store, rank, size, global_ranks, self._settings)
         self._shm: ShmGroup | None = None
@@ -148,6 +151,24 @@ class GiantProcessGroup(dist.ProcessGroup):
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
         return pg
+
+    def _register_cuda_backend(self) -> None:
+        """Answer torch's look-ups of this group's CUDA backend.
+
+        ``init_process_group(device_id=cuda:N)`` (the trainer binds each rank
+        to its GPU) asks the group for ``_get_backend(cuda)`` to connect it
+        eagerly, and ``_set_pg_timeout``, abort and shutdown look it up too;
+        with only a CPU backend registered the first fails before any
+        collective runs. The inner NCCL backend is the true answer (its own
+        type, so torch's NCCL-specific paths recognise it); without NCCL the
+        gloo backend answers, and this group's own collectives still refuse
+        CUDA tensors with a clear message (:meth:`_inner`)."""
+        if self._nccl is not None:
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
+                                   self._nccl)
+        else:  # the same backend type as cpu: torch reuses the gloo object
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM,
+                                   self._gloo)
 
     def _first_shm(self, store, rank: int, size: int) -> ShmGroup | None:
         """The group's shared-memory segment, or None on every rank when any

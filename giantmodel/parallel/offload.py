@@ -20,6 +20,20 @@ until the side stream has read it). Host copies live until the next forward.
 A second backward through the same graph (``retain_graph``) copies a tensor
 again from its host copy.
 
+What stays on the device: weights. A tensor autograd saves is kept as it
+is when it is one of the block's parameters or a view of one (same storage;
+the block's parameters as they are during its forward, so FSDP2's unsharded
+weights count), or a chain of casts and views of a parameter that requires
+grad (autograd's graph says so: ``ToCopyBackward0``/``TBackward0``/... down
+to the parameter's ``AccumulateGrad``). The last rule covers autocast's bf16
+weight copies, which would otherwise go to the host and back every
+micro-batch; they are parameter-sized, made once per forward from values
+that do not change, and freed after backward anyway. A cast of a frozen
+parameter (``requires_grad=False``) has no graph to read and is offloaded
+like an activation. DTensors (tensor parallel, FSDP2's sharded parameters)
+are judged and copied by their local shard; an offloaded DTensor comes back
+as a DTensor with its mesh, placements and global shape.
+
 Tensors already in host memory (a CPU run) are kept as they are: there is
 nothing to offload to. ``force`` copies them anyway, which tests use to check
 the bookkeeping on a CPU-only machine; there the "device copy" is a fresh
@@ -30,13 +44,63 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+
+# Autograd nodes of ops that only re-type or re-view their one input: a chain
+# of them from a parameter's AccumulateGrad is that parameter in another form.
+_CAST_OR_VIEW = frozenset({
+    "ToCopyBackward0", "TBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "AliasBackward0",
+    "ReshapeAliasBackward0", "SliceBackward0", "SelectBackward0", "SqueezeBackward0",
+    "UnsqueezeBackward0", "CloneBackward0", "DetachBackward0"})
+_MAX_CHAIN = 8
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a DTensor (the shard itself, without the
+    autograd op that to_local() records). Tensor parallel's async
+    redistribute leaves an AsyncCollectiveTensor there; the op that saved it
+    has already waited on it, so waiting again only unwraps it."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
+    return t
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """None for a wrapper subclass without storage of its own (a quantised
+    weight, say): such a tensor is never copied here."""
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def weight_derived(t: torch.Tensor) -> bool:
+    """Whether autograd's graph shows ``t`` as casts/views of a parameter."""
+    fn = t.grad_fn
+    for _ in range(_MAX_CHAIN):
+        if fn is None:
+            return False
+        if hasattr(fn, "variable"):  # AccumulateGrad: a leaf
+            return isinstance(fn.variable, nn.Parameter)
+        if fn.name() not in _CAST_OR_VIEW:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
 
 
 class _Slot:
-    __slots__ = ("device", "device_copy", "host", "ready")
+    __slots__ = ("device", "device_copy", "dtensor", "host", "ready")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, ready):
+    def __init__(self, host: torch.Tensor, device: torch.device, ready, dtensor=None):
         self.host, self.device, self.ready = host, device, ready
+        self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor
         self.device_copy: torch.Tensor | None = None
 
 
@@ -58,7 +122,7 @@ class ActivationOffload:
         # One generation per forward pass, so several micro-batches may be in
         # flight (pipeline schedules); the attributes below show the latest.
         self._gen: _Generation | None = None
-        self._params: set[int] = set()
+        self._params: dict[int, set[int]] = {}  # block -> its weights' storages, this forward
         self._stream = None
         self._contexts: dict[int, object] = {}
         for i, block in enumerate(blocks):
@@ -83,19 +147,34 @@ class ActivationOffload:
 
     def _new_step(self) -> None:
         self._gen = _Generation(len(self.blocks))
-        self._params = {p.untyped_storage().data_ptr() for b in self.blocks
-                        for p in b.parameters() if p.device.type != "meta"}
+        self._params = {}
+
+    def _param_storages(self, i: int) -> set[int]:
+        """Read inside block ``i``'s forward, when FSDP2 has swapped in its
+        unsharded weights (its pre-forward hook runs before ours)."""
+        if i not in self._params:
+            self._params[i] = {_storage_ptr(p) for p in self.blocks[i].parameters()
+                               if p.device.type != "meta"}
+        return self._params[i]
+
+    def _keep(self, i: int, t: torch.Tensor) -> bool:
+        if t.device.type == "cpu" and not self.force:
+            return True
+        ptr = _storage_ptr(t)
+        return ptr is None or ptr in self._param_storages(i) or weight_derived(t)
 
     # the latest forward pass's bookkeeping (for tests and debugging)
     slots = property(lambda self: self._gen.slots)
     fetch_order = property(lambda self: self._gen.fetch_order)
     in_flight_at_use = property(lambda self: self._gen.in_flight_at_use)
 
-    def _pack(self, i: int, t: torch.Tensor):
-        offload = (t.device.type != "cpu" or self.force) and (
-            t.untyped_storage().data_ptr() not in self._params)
-        if not offload:
-            return t
+    def _pack(self, i: int, saved: torch.Tensor):
+        if self._keep(i, saved):
+            return saved
+        layout = None
+        if isinstance(saved, DTensor):
+            layout = (saved.device_mesh, saved.placements, saved.shape, saved.stride())
+        t = _local(saved)
         ready = None
         if t.device.type == "cuda":
             stream = self._side_stream()
@@ -109,7 +188,7 @@ class ActivationOffload:
         else:
             host = t.detach().clone()
         gen = self._gen
-        gen.slots[i].append(_Slot(host, t.device, ready))
+        gen.slots[i].append(_Slot(host, t.device, ready, layout))
         return (gen, i, len(gen.slots[i]) - 1)
 
     # -------------------------------------------------------------- backward
@@ -129,6 +208,11 @@ class ActivationOffload:
             # allocated on the side stream, used and freed on this one: keep
             # the allocator from reusing it before this stream is done with it
             out.record_stream(torch.cuda.current_stream())
+        if slot.dtensor is not None:
+            mesh, placements, shape, stride = slot.dtensor
+            with torch.no_grad():  # a wrapper only: no graph, no collective
+                out = DTensor.from_local(out, mesh, placements, run_check=False,
+                                         shape=shape, stride=stride)
         # Autograd holds the only reference from here, so the device copy is
         # freed once this node's backward has run (the residency guarantee).
         return out

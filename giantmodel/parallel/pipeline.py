@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed import pipelining as pl
 from torch.distributed.tensor import DTensor
 
+from giantmodel.core import compat
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor
 from giantmodel.models.registry import canonical_name
@@ -64,6 +65,7 @@ class PipelineRunner:
         self._schedule = None
         self._units = 1.0
         self._precision: Precision | None = None
+        self._in_schedule = False
 
     def stage_specs(self) -> list[StageSpec]:
         ranges = self.plan.layer_ranges()
@@ -79,14 +81,24 @@ class PipelineRunner:
         """Built on first use: its first step infers the activation shapes."""
         if self._schedule is not None:
             return self._schedule
-        stages = [pl.PipelineStage(part, sid, self.plan.num_stages, self.device,
-                                   group=self.pp_group, get_mesh=self._mesh_by_names)
+        stages = [compat.pipeline_stage(part, sid, self.plan.num_stages, self.device,
+                                        group=self.pp_group, get_mesh=self._mesh_by_names)
                   for part, sid in zip(self.parts, self.stage_ids)]
+        if not compat.has("pipeline_get_mesh"):
+            # That pipelining sends only plain tensors: a DTensor activation
+            # (sequence parallel) fails here with a message, not inside torch.
+            for part, sid in zip(self.parts, self.stage_ids):
+                if sid < self.plan.num_stages - 1:
+                    part.register_forward_hook(self._check_sendable)
         cls = _SCHEDULES[self.plan.schedule]
         # scale_grads=False: the loss is already divided by the global loss units.
         self._schedule = cls(stages if self.plan.multi_stage else stages[0], self.plan.n_micro,
                              loss_fn=self._stage_loss, scale_grads=False)
         return self._schedule
+
+    def _check_sendable(self, module, args, output) -> None:
+        if self._in_schedule:  # eval's own send/recv carries DTensors
+            compat.check_plain_activation(output)
 
     def _mesh_by_names(self, names: tuple[str, ...], layout=None):
         """Sub-mesh for a DTensor activation the pipeline received from a peer."""
@@ -114,12 +126,24 @@ class PipelineRunner:
         pieces = [self.objective.stage_inputs(mb) for mb in microbatches]
         args, kwargs = (), {}
         if 0 in self.stage_ids:
-            args = tuple(torch.cat(xs) for xs in zip(*(a for a, _, _ in pieces)))
+            args = tuple(self._on_device(torch.cat(xs)) for xs in zip(*(a for a, _, _ in pieces)))
         for key in pieces[0][1]:
-            kwargs[key] = torch.cat([kw[key] for _, kw, _ in pieces])
+            kwargs[key] = self._on_device(torch.cat([kw[key] for _, kw, _ in pieces]))
         if self.plan.num_stages - 1 in self.stage_ids:
-            kwargs["target"] = torch.cat([t for _, _, t in pieces])
+            kwargs["target"] = self._on_device(torch.cat([t for _, _, t in pieces]))
         return args, kwargs
+
+    def _on_device(self, x):
+        """Loader batches are host tensors; stage 0's embedding and the last
+        stage's loss run on this rank's device (the schedule moves only the
+        activations it sends between stages)."""
+        if isinstance(x, torch.Tensor):
+            return x.to(self.device, non_blocking=True)
+        if isinstance(x, tuple | list):
+            return type(x)(self._on_device(v) for v in x)
+        if isinstance(x, dict):
+            return {k: self._on_device(v) for k, v in x.items()}
+        return x
 
     def forward_backward(self, microbatches: list[dict], precision: Precision) -> float:
         for part in self.parts:
@@ -129,8 +153,12 @@ class PipelineRunner:
         sched = self._get_schedule()
         args, kwargs = self._step_inputs(microbatches)
         losses: list[torch.Tensor] = []
-        with self.objective.loss_context(), precision.autocast():
-            sched.step(*args, losses=losses, return_outputs=False, **kwargs)
+        self._in_schedule = True
+        try:
+            with self.objective.loss_context(), precision.autocast():
+                sched.step(*args, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self._in_schedule = False
         # Before the data-parallel sum, which only ever adds: the copies'
         # local gradients are summed first, whichever rank owns them later,
         # once both are in their parameters' placements.
@@ -161,7 +189,7 @@ class PipelineRunner:
         units = self.global_units(batches)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for mb in batches:
-            args, kwargs, target = self.objective.stage_inputs(mb)
+            args, kwargs, target = self._on_device(self.objective.stage_inputs(mb))
             with self.objective.loss_context():
                 out = self._forward_only(args, kwargs, precision)
                 if out is not None:

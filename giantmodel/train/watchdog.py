@@ -20,6 +20,15 @@ How: each rank records every phase it enters in the process group's store
 store key; a daemon thread on every rank polls for it and writes that rank's
 file, so the stuck rank reports even while its main thread is blocked.
 
+On NCCL a hang never raises in Python: the collective is asynchronous, the
+main thread waits in a CUDA synchronisation, and when the process-group
+timeout passes NCCL's watchdog thread aborts the process (the default
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``), so a report made after the error would
+never print. The watch therefore has its own, earlier deadline
+(:func:`report_deadlines`): rank 0, when its phase has not changed for half
+the timeout and some rank's phase count is behind the others', asks every
+rank for its file and prints the line itself, well before torch gives up.
+
 Who did not arrive is decided at the granularity of the trainer's phases
 (forward/backward, gradient norm, optimizer step, checkpoint save): every rank
 runs the same phases, while the collectives inside one differ by layout.
@@ -31,8 +40,10 @@ import faulthandler
 import json
 import os
 import socket
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch._C._distributed_c10d as torch_c10d
@@ -44,6 +55,54 @@ from giantmodel.comm import record as giant_record
 _KEY = "giantmodel/hang"
 _POLL_S = 0.5
 _SHOW_COLLECTIVES = 12
+# torch's default for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: its monitor thread
+# kills the process when NCCL's watchdog thread has not ticked for this long.
+_NCCL_HEARTBEAT_DEFAULT_S = 480.0
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """When the hang report fires, against when torch ends the process."""
+
+    report_after_s: float
+    """Rank 0 reports once its phase has not changed for this long."""
+    report_wait_s: float
+    """How long the report waits for the other ranks' files."""
+    pg_timeout_s: float
+    """The process-group timeout (``parallel.timeout_s``): gloo raises then,
+    NCCL's watchdog aborts the process then."""
+    nccl_heartbeat_s: float
+    """``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: NCCL's monitor may kill a process
+    whose watchdog is stuck this long after its last tick."""
+
+    @property
+    def report_done_s(self) -> float:
+        """Latest time, after the last progress, that the report has printed."""
+        return self.report_after_s + _POLL_S + self.report_wait_s
+
+    @property
+    def killed_s(self) -> float:
+        """Earliest time torch may end a hung process (NCCL), or raise (gloo)."""
+        return min(self.pg_timeout_s, self.nccl_heartbeat_s)
+
+
+def report_deadlines(timeout_s: float, env=None) -> Deadlines:
+    """The report's own deadline for a process-group timeout of ``timeout_s``.
+
+    Ordering (tests/test_gpu_path.py checks it): the report is complete
+    (``report_after + poll + wait``) before the earliest moment torch may end
+    the process, the PG timeout or NCCL's heartbeat limit, whichever is
+    sooner. Half of that leaves the other half as margin for a slow store and
+    for ranks whose last progress came later than rank 0's; the file wait is
+    at most a tenth. A phase that honestly lasts longer than half the timeout
+    only costs a spurious report when ranks' phase counts also differ for that
+    long, which a healthy step does not do: every rank enters the same phases.
+    """
+    env = os.environ if env is None else env
+    heartbeat = float(env.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", _NCCL_HEARTBEAT_DEFAULT_S))
+    limit = min(timeout_s, heartbeat)
+    return Deadlines(report_after_s=0.5 * limit, report_wait_s=min(5.0, 0.1 * limit),
+                     pg_timeout_s=timeout_s, nccl_heartbeat_s=heartbeat)
 
 
 def _default_store():
@@ -97,11 +156,29 @@ def last_collectives(limit: int) -> tuple[str, str | None]:
     return "\n".join(lines) + "\n", _describe(entries[-1])
 
 
+def _store_timeout_s(store) -> float | None:
+    # init_process_group rendezvoused with its own timeout: the PG timeout
+    try:
+        return store.timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - a store without one
+        return None
+
+
 class HangWatch:
-    def __init__(self, run_dir: str | os.PathLike, rank: int, world_size: int):
+    """``timeout_s`` is the process groups' timeout (``parallel.timeout_s``);
+    without it, the default store's timeout, which init_process_group set to
+    the same value. It sets the early report's deadline."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, world_size: int,
+                 timeout_s: float | None = None):
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.entered, self.count = "start", 0
         self._store = _default_store() if world_size > 1 and dist.is_initialized() else None
+        if timeout_s is None and self._store is not None:
+            timeout_s = _store_timeout_s(self._store)
+        self.deadlines = report_deadlines(timeout_s) if timeout_s else None
+        self.early_report: str | None = None  # what the early report printed
+        self._progress_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = None
         if self._store is not None:
@@ -112,6 +189,7 @@ class HangWatch:
     def enter(self, phase: str) -> None:
         """Record that this rank entered ``phase`` (it holds collectives)."""
         self.entered, self.count = phase, self.count + 1
+        self._progress_at = time.monotonic()
         if self._store is not None:
             try:
                 self._store.set(f"{_KEY}/at/{self.rank}", f"{self.count}|{phase}")
@@ -141,8 +219,35 @@ class HangWatch:
                     self._write()
                     self._store.set(f"{_KEY}/done/{self.rank}", "1")
                     return
+                if self._stalled() and self._report_early():
+                    return
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
+
+    def _stalled(self) -> bool:
+        """Rank 0 only (one reader of every rank's record, not N): no phase
+        entered for the report's deadline."""
+        d = self.deadlines
+        return (self.rank == 0 and d is not None
+                and time.monotonic() - self._progress_at > d.report_after_s)
+
+    def _report_early(self) -> bool:
+        """Report before torch's timeout when some rank is behind; else look
+        again after another deadline (a long phase that every rank is in)."""
+        at = {r: int(c) for r, (c, _) in self._read("at").items()}
+        ahead = max(at.values(), default=0)
+        if not any(at.get(r, 0) < ahead for r in range(self.world)):
+            self._progress_at = time.monotonic()
+            return False
+        line = self.report(self.deadlines.report_wait_s)
+        if line is None:
+            return False
+        self._store.set(f"{_KEY}/done/{self.rank}", "1")
+        d = self.deadlines
+        self.early_report = (f"no progress for {d.report_after_s:.0f} s (process-group timeout "
+                             f"{d.pg_timeout_s:.0f} s): {line}")
+        print(f"error: rank {self.rank}: {self.early_report}", file=sys.stderr, flush=True)
+        return True
 
     def report(self, wait_s: float = 5.0) -> str | None:
         """After a failed collective: ask every rank for its file, and name the
