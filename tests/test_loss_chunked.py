@@ -139,3 +139,34 @@ def test_chunked_loss_under_fsdp_and_tp_matches_the_plain_single_process_run():
         plain = [o for o in overrides if not o.startswith(("parallel.", "train.loss_impl"))]
         ref = H.run_steps(H.make_config(arch, plain + ["train.loss_impl=plain"]), 3)
         H.assert_matches(result, ref, f"{arch} {overrides}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_chunked_and_liger_losses_match_plain():
+    """On CUDA: chunked in fp32 (TF32 off) as tight as on the CPU; chunked
+    and, when installed, liger-kernel under bf16 autocast within bf16 rounding."""
+    from giantmodel.core.loss import liger_installed, liger_linear_cross_entropy_sum
+
+    h, w, y = (t.cuda().detach().requires_grad_(t.requires_grad) for t in _case(2, 300, 64, 5000))
+    y = y.cuda()
+    matmul = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ref = _grads(lambda a, b, c: cross_entropy_sum(F.linear(a, b), c), h, w, y)
+        got = _grads(lambda a, b, c: chunked_linear_cross_entropy_sum(a, b, c, 128), h, w, y)
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+    assert torch.allclose(got[0], ref[0], rtol=1e-5)
+    for a, b in zip(got[2:], ref[2:], strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+    impls = [lambda a, b, c: chunked_linear_cross_entropy_sum(a, b, c, 128)]
+    if liger_installed():
+        impls.append(liger_linear_cross_entropy_sum)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        plain = _grads(lambda a, b, c: cross_entropy_sum(F.linear(a, b), c), h, w, y)
+        for fn in impls:
+            got = _grads(fn, h, w, y)
+            assert torch.allclose(got[0], plain[0], rtol=1e-2)
+            for a, b in zip(got[2:], plain[2:], strict=True):
+                assert float((a - b).norm() / b.norm()) < 3e-2
