@@ -148,7 +148,14 @@ def liger_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor,
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
-    out = fn(weight, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1))
+    # Both operands in the dtype the plain head would use (autocast's), cast
+    # here so autograd carries the gradients back to fp32 master weights, and
+    # autocast off inside: liger's kernels then see one dtype whatever the
+    # release does with autocast.
+    dtype = _compute_dtype(hidden, weight)
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = fn(weight.to(dtype), hidden.reshape(-1, hidden.shape[-1]).to(dtype),
+                 labels.reshape(-1))
     # Some releases return (loss, z_loss) or an output object; the loss is first.
     out = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
     return out.float(), (labels != IGNORE_INDEX).sum()
@@ -208,7 +215,12 @@ def head_computes_loss(head: nn.Module, labels: torch.Tensor, impl: str) -> Iter
     (FSDP2 gathering its weight, and resharding it after) run as usual, and
     ``head.weight`` is the gathered weight while its forward runs."""
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_sum(hidden, head.weight, labels, impl)[0]
+        weight = head.weight
+        if hasattr(weight, "device_mesh") or hasattr(hidden, "device_mesh"):
+            # still a DTensor inside forward: sharded by a plan, not gathered by FSDP2
+            raise RuntimeError(f"train.loss_impl={impl} needs the whole head weight, but it is "
+                               "sharded over tp; use train.loss_impl=plain")
+        return linear_cross_entropy_sum(hidden, weight, labels, impl)[0]
 
     previous = head.__dict__.get("forward")
     head.forward = forward

@@ -8,6 +8,7 @@ The scaler is written against plain gradients and a caller-supplied
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -94,10 +95,13 @@ def configure_tf32(device_type: str, enabled: bool) -> bool:
     reproducible against other fp32 runs). Set through the legacy setters:
     they keep torch's legacy and new (``fp32_precision``) flags consistent,
     whereas setting the new flags alone makes
-    ``torch.get_float32_matmul_precision()`` raise on torch >= 2.9. Returns
+    ``torch.get_float32_matmul_precision()`` raise (torch 2.13). Returns
     whether anything was set (only on CUDA)."""
     if device_type != "cuda":
         return False
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
+    with warnings.catch_warnings():
+        # torch 2.9-2.11 warn once that these setters will be deprecated
+        warnings.filterwarnings("ignore", message=".*new API settings to control TF32")
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        torch.backends.cudnn.allow_tf32 = enabled
     return True
