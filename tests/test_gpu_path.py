@@ -271,6 +271,26 @@ def _hang_early_report(rank: int, world: int, run_dir: str) -> str | None:
     return watch.early_report
 
 
+def _dtensor_activation_refused(rank: int, world: int) -> list:
+    """A sequence-parallel activation (a DTensor) cannot cross a pipeline of
+    a torch without get_mesh: refused with the config key, else passed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    act = DTensor.from_local(torch.zeros(2, 4, 8), mesh, [Shard(1)], run_check=False)
+    out = []
+    compat.check_plain_activation((act,))
+    for value in (act, torch.zeros(2, 8, 8)):
+        with compat.forced_off("pipeline_get_mesh"):
+            try:
+                compat.check_plain_activation(value)
+                out.append(None)
+            except RuntimeError as e:
+                out.append(str(e))
+    return out
+
+
 def _cases(rank: int, world: int, run_dir: str) -> dict:
     import giantmodel.parallel.parallelize as P
 
@@ -284,6 +304,7 @@ def _cases(rank: int, world: int, run_dir: str) -> dict:
                 for extra in ([], ["offload.activations=true"])]
         out[name] = pair + [_offloaded()]
     out["giant"] = _giant_cuda_backend(rank, world)
+    out["dtensor"] = _dtensor_activation_refused(rank, world)
     out["hang"] = _hang_early_report(rank, world, run_dir)
     return out
 
@@ -301,6 +322,8 @@ def test_two_rank_paths(tmp_path):
         H.assert_matches(offloaded, plain, f"{name} offload", loss_rtol=1e-6, param_tol=1e-6)
     for res in results:
         assert res["giant"] == {"plain": True, "stand_in": True}
+    refused, plain = r0["dtensor"]
+    assert plain is None and refused is not None and "parallel.sp=false" in refused
     report = r0["hang"]
     assert report is not None and "rank 1 did not arrive" in report, report
     assert results[1]["hang"] is None  # one reader: rank 0

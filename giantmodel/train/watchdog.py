@@ -25,8 +25,8 @@ main thread waits in a CUDA synchronisation, and when the process-group
 timeout passes NCCL's watchdog thread aborts the process (the default
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING``), so a report made after the error would
 never print. The watch therefore has its own, earlier deadline
-(:func:`report_deadlines`): rank 0, when its phase has not changed for half
-the timeout and some rank's phase count is behind the others', asks every
+(:func:`report_deadlines`): rank 0, when its phase has not changed for 40%
+of the timeout and some rank's phase count is behind the others', asks every
 rank for its file and prints the line itself, well before torch gives up.
 
 Who did not arrive is decided at the granularity of the trainer's phases
@@ -92,16 +92,18 @@ def report_deadlines(timeout_s: float, env=None) -> Deadlines:
     Ordering (tests/test_gpu_path.py checks it): the report is complete
     (``report_after + poll + wait``) before the earliest moment torch may end
     the process, the PG timeout or NCCL's heartbeat limit, whichever is
-    sooner. Half of that leaves the other half as margin for a slow store and
-    for ranks whose last progress came later than rank 0's; the file wait is
-    at most a tenth. A phase that honestly lasts longer than half the timeout
+    sooner. Reporting at 40% of that leaves the rest as margin for a slow
+    store and for ranks whose last progress came later than rank 0's; the
+    wait for the other ranks' files covers two of their polls, at most a
+    tenth of the limit beyond that (holds for timeouts from about 2 s). A
+    phase that honestly lasts longer than 40% of the timeout
     only costs a spurious report when ranks' phase counts also differ for that
     long, which a healthy step does not do: every rank enters the same phases.
     """
     env = os.environ if env is None else env
     heartbeat = float(env.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", _NCCL_HEARTBEAT_DEFAULT_S))
     limit = min(timeout_s, heartbeat)
-    return Deadlines(report_after_s=0.5 * limit, report_wait_s=min(5.0, 0.1 * limit),
+    return Deadlines(report_after_s=0.4 * limit, report_wait_s=min(5.0, max(2 * _POLL_S, 0.1 * limit)),
                      pg_timeout_s=timeout_s, nccl_heartbeat_s=heartbeat)
 
 
