@@ -150,8 +150,9 @@ class ActivationOffload:
         self._params = {}
 
     def _param_storages(self, i: int) -> set[int]:
-        """Read inside block ``i``'s forward, when FSDP2 has swapped in its
-        unsharded weights (its pre-forward hook runs before ours)."""
+        """Read at block ``i``'s first saved tensor, inside its forward: after
+        every pre-forward hook, so FSDP2's unsharded weights are the ones
+        registered (the sharded DTensors are not what the ops save)."""
         if i not in self._params:
             self._params[i] = {_storage_ptr(p) for p in self.blocks[i].parameters()
                                if p.device.type != "meta"}
