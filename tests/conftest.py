@@ -8,9 +8,14 @@ before every other test, while the load the suite itself makes (the
 1-minute load average stays near 2 while it runs) has not yet built up, so
 it seldom has to wait for the load to fall."""
 
+import os
+
 import torch
 
 torch.set_num_threads(1)
+# Ranks fork from one server that imported torch and giantmodel once
+# (giantmodel/testing/ranks.py): 3-5 s less per rank on a 2-core host.
+os.environ.setdefault("GIANTMODEL_RANKS_START", "forkserver")
 
 
 def pytest_collection_modifyitems(config, items):

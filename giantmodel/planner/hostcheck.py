@@ -252,13 +252,14 @@ def run_check(base_overrides: list[str], layouts: list[list[str]], warmup: int =
     layout's, so :func:`compare` sets each round's steps against the
     profile measured beside them (``profiles``, ``rounds_step_s``)."""
     mem = run_ranks(rss_rank, world, base_overrides, layouts, warmup + steps,
-                    timeout=timeout, backend=None, env=HOST_CHECK_ENV)
+                    timeout=timeout, backend=None, env=HOST_CHECK_ENV, start="spawn")
     timed: list[dict] | None = None
     for k in range(rounds):
         for j in range(len(layouts)):
             i = (j + k) % len(layouts)
             part = run_ranks(time_rank, world, base_overrides, [layouts[i]], warmup, steps,
-                             profile_kw, j == 0, timeout=timeout, backend=None)
+                             profile_kw, j == 0, timeout=timeout, backend=None,
+                             start="spawn")
             if timed is None:
                 timed = [p | {"layouts": [None] * len(layouts), "profiles": []} for p in part]
             for t, p in zip(timed, part, strict=True):
