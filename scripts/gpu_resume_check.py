@@ -4,8 +4,10 @@ A tiny LLaMA in fp32 (TF32 off) trains 8 steps straight, saving
 asynchronously every 4; a second run of the same config trains 4 steps,
 saves asynchronously, stops, and ``run_training`` resumes it to step 8. The losses of steps 5-8 must match
 the straight run's: bitwise where the kernels are deterministic (asked for
-with ``torch.use_deterministic_algorithms``), and within 1e-6 relative in
-any case. Prints one JSON line; exits 1 on a mismatch.
+with ``torch.use_deterministic_algorithms``), and within 1e-5 relative in
+any case (atomics in some CUDA backward kernels may differ in the last bits;
+a resume that loses the data position, the RNG, the optimizer state or the
+schedule is off by 1e-3 or more from the first resumed step). Prints one JSON line; exits 1 on a mismatch.
 
     python scripts/gpu_resume_check.py [--device cuda] [--dir /tmp/gm-resume]
 """
@@ -69,7 +71,7 @@ def main() -> int:
     steps = [5, 6, 7, 8]
     rel = max(abs(a[s] - b[s]) / abs(a[s]) for s in steps)
     bitwise = all(a[s] == b[s] for s in steps)
-    ok = summary["step"] == 8 and bool(saved) and rel <= 1e-6
+    ok = summary["step"] == 8 and bool(saved) and rel <= 1e-5
     print(json.dumps({"ok": ok, "bitwise": bitwise, "max_rel_diff": rel, "checkpoints": saved,
                       "straight": [a[s] for s in steps], "resumed": [b[s] for s in steps]}))
     return 0 if ok else 1
