@@ -350,14 +350,23 @@ def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]
     row-parallel ones are partial sums), the fused attention kernel's output
     and log-sum-exp, and under sp the reduce-scatter results. Norms, casts,
     rotary, the MLP activation, the tp all-reduce and the sp/cp all-gathers
-    are recomputed."""
+    are recomputed.
+
+    Under context parallelism (no attention dropout) each chunk's attention
+    is two fused kernels, the keys before it and its causal diagonal block
+    (giantmodel.parallel.context._SplitCausalAttention): the policy keeps
+    both kernels' outputs and log-sum-exps and recomputes their merge, so
+    core_out and lse count twice. Exact on every cp rank but the first,
+    whose first chunk is one causal kernel (3/4 of it)."""
     c = DTYPE_BYTES[precision]
     h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    parts = 2 if cp > 1 and not cp_masked_attention(m) else 1
     terms = [Term("block.input", 4 * h, "seq"),
              Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
              Term("attention.wv_out", c * kv, "tp"),
-             Term("attention.core_out", c * q, "tp"), Term("attention.lse", 4 * n, "tp"),
+             Term("attention.core_out", parts * c * q, "tp"),
+             Term("attention.lse", parts * 4 * n, "tp"),
              Term("attention.wo_out", c * h, "full"),   # partial sums under tp
              Term("feed_forward.w1_out", c * f, "tp"),
              Term("feed_forward.w2_out", c * h, "full")]
@@ -412,9 +421,35 @@ def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp
         terms = [t for t in selective_terms(m, precision, tp, sp, cp) if t.name not in dropped]
     out = {t.name: _term_bytes(t, tokens, tp, sp, cp) for t in terms}
     if cp > 1 and mode == "none":
-        # context-parallel attention builds a boolean causal mask [s/cp, s]
-        # per block, which the attention kernel keeps
-        out["attention.cp_mask"] = seq_len / cp * seq_len
+        out.update(_cp_none_terms(m, precision, micro_batch, seq_len, tp, cp, lora))
+    return out
+
+
+def cp_masked_attention(m) -> bool:
+    """Whether context-parallel attention takes its masked SDPA call
+    (attention dropout, GPT only) instead of the split fused kernels."""
+    return m.arch != "llama" and m.dropout > 0
+
+
+def _cp_none_terms(m, precision: str, micro_batch: int, seq_len: int, tp: int, cp: int,
+                   lora) -> dict[str, float]:
+    """What context-parallel attention keeps beyond ``layer_terms`` without
+    recompute (giantmodel.parallel.context). The chunks' outputs are
+    concatenated along the sequence and copied into wo's [B, T, H*D] input,
+    so the outputs attention saves (the split kernels' merged output, or
+    SDPA's) and wo's input are two tensors, not one; a frozen wo (LoRA
+    without a wo adapter) keeps no input. The index putting the gathered
+    keys in position order (int64 [s]) is kept by their index_select. The
+    masked call (attention dropout) keeps each chunk's boolean mask [c, end]:
+    c^2 (2cp + 1) on every rank but the first, c = s / (2cp)."""
+    tokens = micro_batch * seq_len / cp
+    out = {"attention.cp_key_order": 8.0 * seq_len}
+    if lora is None or "attention.wo" in lora[1]:
+        q = m.num_heads * m.dim_per_head
+        out["attention.wo_input"] = tokens * DTYPE_BYTES[precision] * q / tp
+    if cp_masked_attention(m):
+        chunk = seq_len / (2 * cp)
+        out["attention.cp_mask"] = chunk * chunk * (2 * cp + 1)
     return out
 
 

@@ -65,6 +65,7 @@ from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import (
     DTYPE_BYTES,
     MIB,
+    cp_masked_attention,
     layer_activation_bytes,
     layout_strategy,
     lora_layer_shapes,
@@ -89,11 +90,12 @@ class PerfOptions:
     other stacks differ: torchtitan's op-level policy saves every matmul output
     except every second one (``wk wo w3`` in a LLaMA block), so a plan compared
     with such a run says so here."""
-    cp_masked_attention: bool = True
-    """Context-parallel attention runs each local chunk against the keys up to its end under
-    an explicit mask (``parallel/context.py``): SDPA cannot skip masked blocks, so a cp rank
-    computes (2cp + 1) / (2cp) of its share of the causal triangle's FLOPs. False models a
-    stack whose kernel attends each chunk causally and skips what the mask removes."""
+    cp_masked_attention: bool | None = None
+    """Whether context-parallel attention runs each local chunk against the keys up to its
+    end under an explicit mask, which SDPA cannot skip: a cp rank then computes
+    (2cp + 1) / (2cp) of its share of the causal triangle's FLOPs. None follows
+    ``parallel/context.py``: masked only with attention dropout; otherwise each chunk is a
+    fully visible part and a causal diagonal block on fused kernels, exactly its share."""
 
 
 # ----------------------------------------------------------------- ops
@@ -220,7 +222,8 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     # one GEMM per weight, as the blocks run them (wq, wk and wv apart; w1 and w3 apart)
     gemm = sum(gemm_time(hw, prec, tokens, k, n) for k, n in _block_matmul_shapes(m, t).values())
     attn_flops = 2.0 * layout.micro_batch * layout.seq_len ** 2 * q / (t * cp)
-    if cp > 1 and opts.cp_masked_attention:
+    masked = opts.cp_masked_attention
+    if cp > 1 and (cp_masked_attention(m) if masked is None else masked):
         attn_flops *= (2 * cp + 1) / (2 * cp)   # each chunk's rectangle up to its end
     attn = attn_flops / (hw.flops(prec) * hw.attention_efficiency)
     none = sum(layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len,
