@@ -27,6 +27,7 @@ import time
 
 from giantmodel import comm
 from giantmodel.comm import _lib
+from giantmodel.core import compat
 from giantmodel.testing import run_ranks
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
@@ -69,9 +70,9 @@ def _run_op(op: str, buf, out, group, rank: int):
     if op == "all_reduce":
         dist.all_reduce(buf, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(out, buf, group=group)
+        compat.reduce_scatter_single(out, buf, group=group)
     elif op == "all_gather":
-        dist.all_gather_single(out, buf, group=group)
+        compat.all_gather_single(out, buf, group=group)
     elif op == "all_to_all":
         dist.all_to_all_single(out, buf, group=group)
     elif op == "broadcast":
