@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from giantmodel.core import compat
+
 
 @dataclass
 class DenseMask:
@@ -174,8 +176,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
         return _flex(q, k, v, mask.block_mask, gqa)
     if isinstance(mask, VarlenMask):
         from torch.nn.attention.varlen import varlen_attn
-
-        from giantmodel.core import compat
 
         gqa_kw = {"enable_gqa": True} if gqa else {}
         if gqa and not compat.has("varlen_enable_gqa"):  # torch 2.11's varlen_attn
