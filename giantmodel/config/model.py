@@ -61,6 +61,14 @@ class ModelConfig:
     """Dropout on attention probabilities and residual branches (GPT); 0 disables it."""
     attn_bias: bool = False
     """Bias on the q/k/v/o projections (GPT uses biases regardless)."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections only, none on o (Qwen2); attn_bias=true implies it."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key (weights [head_dim], shared by the heads) before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Each token attends to the last sliding_window tokens, itself included (Mistral v0.1); null: full causal attention."""
+    family: str | None = None
+    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
 
     @property
     def kv_heads(self) -> int:
@@ -69,6 +77,10 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.attn_bias or self.qkv_bias
 
     def validate(self) -> None:
         for key in ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
@@ -90,8 +102,14 @@ class ModelConfig:
             raise ConfigError(f"RoPE needs an even head dim, got {self.dim_per_head}", "model.head_dim")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"must be in [0, 1), got {self.dropout}", "model.dropout")
-        # GPT has learned positions: RoPE settings would be ignored
-        refuse_unused(self, "model", "arch", {"rope_theta": ("llama",), "rope_scaling": ("llama",)})
+        if self.sliding_window is not None and not 0 < self.sliding_window <= self.max_seq_len:
+            raise ConfigError(
+                f"sliding_window {self.sliding_window} must be between 1 and model.max_seq_len "
+                f"{self.max_seq_len}; use null for full causal attention", "model.sliding_window")
+        # GPT has learned positions: RoPE settings would be ignored; its
+        # block has biases everywhere and no window or qk-norm.
+        llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window")
+        refuse_unused(self, "model", "arch", {k: ("llama",) for k in llama_only})
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Exact parameter count of the model this config builds."""
@@ -99,8 +117,9 @@ class ModelConfig:
         q = self.num_heads * self.dim_per_head
         kv = self.kv_heads * self.dim_per_head
         if self.arch == "llama":
-            bias = (q + 2 * kv + h) if self.attn_bias else 0
-            per_layer = h * (q + 2 * kv) + q * h + bias + 3 * h * f + 2 * h
+            bias = (q + 2 * kv if self.has_qkv_bias else 0) + (h if self.attn_bias else 0)
+            qk_norm = 2 * self.dim_per_head if self.qk_norm else 0
+            per_layer = h * (q + 2 * kv) + q * h + bias + qk_norm + 3 * h * f + 2 * h
             final_norm = h
             pos = 0
         else:

@@ -15,6 +15,9 @@ varlen_enable_gqa      ``varlen_attn(..., enable_gqa=...)``: fewer k/v heads
 all_gather_single      ``dist.all_gather_single`` / ``reduce_scatter_single``;
                        without them ``all_gather_into_tensor`` /
                        ``reduce_scatter_tensor`` (the same collectives)
+varlen_window          ``varlen_attn(..., window_size=...)`` (early releases
+                       took ``is_causal``): causal and sliding windows;
+                       without it packed and sliding attention take flex
 =====================  ======================================================
 
 A probe can be forced off, to test the older path on a new torch: list its
@@ -71,10 +74,15 @@ def _all_gather_single() -> bool:
     return dist.is_available() and hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
 
 
+def _varlen_window() -> bool:
+    return _accepts(_varlen_attn(), "window_size")
+
+
 PROBES: dict[str, Callable[[], bool]] = {
     "pipeline_get_mesh": _pipeline_get_mesh,
     "varlen_enable_gqa": _varlen_enable_gqa,
     "all_gather_single": _all_gather_single,
+    "varlen_window": _varlen_window,
 }
 
 

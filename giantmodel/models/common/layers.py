@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from giantmodel.config.model import RopeScaling
-from giantmodel.models.common.masks import masked_attention
+from giantmodel.config.model import ModelConfig, RopeScaling
+from giantmodel.models.common.masks import masked_attention, sliding_attention, window_band
 
 
 class RMSNorm(nn.Module):
@@ -81,16 +81,19 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class CausalSDPA(nn.Module):
-    """The attention core: softmax(QK^T/sqrt(d)) V with a causal mask.
+    """The attention core: softmax(QK^T/sqrt(d)) V with a causal mask, or a
+    sliding window of ``window`` keys (each query's own and the window - 1
+    before it) when set.
 
     A module of its own so that context parallelism can replace it and
     selective recompute can checkpoint exactly this part.
     Inputs are [B, H, T, D]; K/V may have fewer heads (GQA).
     """
 
-    def __init__(self, dropout: float = 0.0):
+    def __init__(self, dropout: float = 0.0, window: int | None = None):
         super().__init__()
         self.dropout = dropout
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask=None) -> torch.Tensor:
@@ -98,7 +101,9 @@ class CausalSDPA(nn.Module):
         mask from :func:`giantmodel.models.common.masks.document_mask`."""
         dropout = self.dropout if self.training else 0.0
         if mask is not None:
-            return masked_attention(q, k, v, mask, dropout)
+            return masked_attention(q, k, v, mask, dropout, window=self.window)
+        if self.window is not None and q.shape[2] > self.window:
+            return sliding_attention(q, k, v, self.window, dropout)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=gqa, dropout_p=dropout)
@@ -137,12 +142,17 @@ class _LayerCache:
         return k, v
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention of the last ``q.shape[2]`` positions over all of ``k``
     (the cached keys first): lower-right aligned, which SDPA's ``is_causal``
-    is only when the two lengths are equal. One new token sees every key."""
+    is only when the two lengths are equal. One new token sees every key,
+    or the last ``window`` of them."""
     rows, span = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if window is not None and span > window:
+        mask = window_band(rows, span, window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if rows == span or rows == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=rows > 1, enable_gqa=gqa)
     mask = torch.ones(rows, span, dtype=torch.bool, device=q.device).tril(span - rows)
@@ -150,15 +160,36 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Multi-head / grouped-query attention with the variants the families
+    need: biases on all four projections (``bias``) or on q/k/v only
+    (``qkv_bias``, Qwen2), an RMSNorm over each head of q and k before RoPE
+    (``qk_norm_eps`` set, Qwen3; one weight [head_dim] shared by the heads,
+    so tensor parallelism shards heads and replicates it) and a sliding
+    window (``window``, Mistral)."""
+
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 bias: bool = False, dropout: float = 0.0):
+                 bias: bool = False, dropout: float = 0.0, *, qkv_bias: bool | None = None,
+                 qk_norm_eps: float | None = None, window: int | None = None):
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(hidden, n_heads * head_dim, bias=bias)
-        self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
-        self.wv = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.wq = nn.Linear(hidden, n_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * head_dim, hidden, bias=bias)
-        self.core = CausalSDPA(dropout)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.window = window
+        self.core = CausalSDPA(dropout, window)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, dropout: float = 0.0) -> Attention:
+        """The attention a llama-style block of ``cfg`` has."""
+        return cls(cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
+                   bias=cfg.attn_bias, dropout=dropout, qkv_bias=cfg.has_qkv_bias,
+                   qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+                   window=cfg.sliding_window)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
                 mask=None, cache: _LayerCache | None = None) -> torch.Tensor:
@@ -169,11 +200,13 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if hasattr(self, "q_norm"):  # per head: [B, T, H, D] normalised over D
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
-            out = cached_attention(q, *cache.update(k, v))
+            out = cached_attention(q, *cache.update(k, v), window=self.window)
             return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         # The mask goes only where there is one, so a replaced core (context
         # parallelism) keeps its three-argument signature.

@@ -13,12 +13,21 @@ into the representation the device's fastest kernel takes, once per forward
 
 The model itself stays plain: these are tensors passed down as a keyword, and
 :func:`masked_attention` is the attention core's dispatch on their type.
+
+Sliding windows (Mistral): a mask describes documents only; a layer's window
+is applied where it attends (:func:`masked_attention`'s ``window``): ANDed
+into the dense mask (once per mask and window), passed to the varlen kernel
+as ``window_size``, or built into a flex BlockMask (once per mask and
+window). Unpacked rows longer than the window take :func:`sliding_attention`,
+whose masks depend only on shapes and are built once per process, never per
+step; on CUDA no dense T x T mask exists at all.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +40,16 @@ class DenseMask:
     """Boolean ``[B, 1, T, T]``: True where query t may attend key s."""
 
     mask: torch.Tensor
+    windowed: dict = field(default_factory=dict, repr=False)
+    """window -> the mask ANDed with that window's band (built on first use)."""
+
+    def for_window(self, window: int | None) -> torch.Tensor:
+        if window is None or window >= self.mask.shape[-1]:
+            return self.mask
+        if window not in self.windowed:
+            T = self.mask.shape[-1]
+            self.windowed[window] = self.mask & window_band(T, T, window, self.mask.device)
+        return self.windowed[window]
 
 
 @dataclass
@@ -49,6 +68,16 @@ class FlexMask:
     """A flex-attention BlockMask of the same block-diagonal causal pattern."""
 
     block_mask: object
+    document_ids: torch.Tensor | None = None
+    windowed: dict = field(default_factory=dict, repr=False)
+    """window -> the BlockMask with that sliding window too (built on first use)."""
+
+    def for_window(self, window: int | None):
+        if window is None or self.document_ids is None:
+            return self.block_mask
+        if window not in self.windowed:
+            self.windowed[window] = flex_document_mask(self.document_ids, window).block_mask
+        return self.windowed[window]
 
 
 def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -71,7 +100,7 @@ def varlen_segments(document_ids: torch.Tensor) -> VarlenMask:
     return VarlenMask(cu, int((cu[1:] - cu[:-1]).max()))  # one host sync per forward
 
 
-def flex_document_mask(document_ids: torch.Tensor) -> FlexMask:
+def flex_document_mask(document_ids: torch.Tensor, window: int | None = None) -> FlexMask:
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = document_ids
@@ -79,14 +108,94 @@ def flex_document_mask(document_ids: torch.Tensor) -> FlexMask:
     def mask_mod(b, h, q_idx, kv_idx):
         return (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx)
 
+    def window_mod(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
     B, T = docs.shape
     # Uncompiled, create_block_mask evaluates mask_mod densely over B x T x T
     # (a [B, T, T] temporary per call); compiled it never materialises that.
     # Dynamo reads ``docs`` as a graph input, so one compile serves every
     # batch of the same shape. The CPU keeps the eager builder: compiling
     # needs a C++ toolchain and only the CUDA flex kernel is fast anyway.
-    return FlexMask(create_block_mask(mask_mod, B, None, T, T, device=docs.device,
-                                      _compile=docs.is_cuda))
+    block = create_block_mask(mask_mod if window is None else window_mod, B, None, T, T,
+                              device=docs.device, _compile=docs.is_cuda)
+    return FlexMask(block, docs)
+
+
+def window_band(rows: int, span: int, window: int, device) -> torch.Tensor:
+    """[rows, span] bool, lower-right aligned: query i sits at key i + span -
+    rows and sees that key and the ``window - 1`` before it. Cached per
+    shape (read-only: callers never modify it)."""
+    return _window_band(rows, span, window, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _window_band(rows: int, span: int, window: int, device: str) -> torch.Tensor:
+    # Built outside inference mode so that a band first made by generation
+    # can still be saved for a later training backward.
+    with torch.inference_mode(False):
+        q_at = torch.arange(rows, device=device)[:, None] + (span - rows)
+        dist = q_at - torch.arange(span, device=device)[None, :]
+        return (dist >= 0) & (dist < window)
+
+
+@functools.lru_cache(maxsize=64)
+def _sliding_block_mask(rows: int, span: int, window: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = span - rows
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_at = q_idx + offset
+        return (kv_idx <= q_at) & (q_at - kv_idx < window)
+
+    with torch.inference_mode(False):
+        return create_block_mask(mask_mod, None, None, rows, span, device=device,
+                                 _compile=device.startswith("cuda"))
+
+
+def _varlen_sliding(q, k, v, window: int) -> torch.Tensor:
+    """Each row of the batch as one varlen segment, the window as flash's
+    ``window_size``: flash aligns the causal diagonal to the lower right when
+    a row has more keys than queries, as :func:`window_band` does."""
+    from torch.nn.attention.varlen import varlen_attn
+
+
+    B, H, rows, D = q.shape
+    span = k.shape[2]
+    gqa_kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if gqa_kw and not compat.has("varlen_enable_gqa"):
+        k, v = compat.expand_kv_heads(k, v, H, head_dim=1)
+        gqa_kw = {}
+    steps = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    flat = [t.transpose(1, 2).reshape(B * t.shape[2], t.shape[1], D) for t in (q, k, v)]
+    out = varlen_attn(*flat, steps * rows, steps * span, rows, span,
+                      window_size=(window - 1, 0), **gqa_kw)
+    return out.reshape(B, rows, H, D).transpose(1, 2)
+
+
+def sliding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                      dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of ``q`` [B, H, rows, D], the last rows of ``k``'s
+    span, over at most the ``window`` latest keys each (a query's own
+    included). CUDA: the flash varlen kernel with a window in half precision,
+    else flex attention with a sliding BlockMask (built once per shape); the
+    CPU (and attention dropout): SDPA with the [rows, span] band, cached."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.is_cuda and not dropout_p:
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if half and _varlen_available() and _varlen_window():
+            return _varlen_sliding(q, k, v, window)
+        block = _sliding_block_mask(q.shape[2], k.shape[2], window, str(q.device))
+        return _flex(q, k, v, block, gqa)
+    band = window_band(q.shape[2], k.shape[2], window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa,
+                                          dropout_p=dropout_p)
+
+
+def _varlen_window() -> bool:
+
+    return compat.has("varlen_window")
 
 
 def _varlen_available() -> bool:
@@ -141,7 +250,8 @@ def _build_document_mask(document_ids: torch.Tensor, compute_dtype: torch.dtype,
         kernel = "dense"
         if document_ids.is_cuda:
             half = compute_dtype in (torch.float16, torch.bfloat16)
-            kernel = "varlen" if half and _varlen_available() else "flex"
+            varlen = half and _varlen_available() and _varlen_window()
+            kernel = "varlen" if varlen else "flex"
     if kernel == "varlen":
         return varlen_segments(document_ids)
     if kernel == "flex":
@@ -163,17 +273,18 @@ def _flex(q, k, v, block_mask, gqa: bool):
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
-                     dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(QK^T/sqrt(d)) V under ``mask``; q/k/v are [B, H, T, D], k/v
-    possibly with fewer heads (GQA). Returns [B, H, T, D]."""
+                     dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """softmax(QK^T/sqrt(d)) V under ``mask``, and within the last ``window``
+    keys of each query when set; q/k/v are [B, H, T, D], k/v possibly with
+    fewer heads (GQA). Returns [B, H, T, D]."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, DenseMask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, enable_gqa=gqa,
-                                              dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.for_window(window),
+                                              enable_gqa=gqa, dropout_p=dropout_p)
     if dropout_p:
         raise ValueError("attention dropout with packed sequences needs the dense mask kernel")
     if isinstance(mask, FlexMask):
-        return _flex(q, k, v, mask.block_mask, gqa)
+        return _flex(q, k, v, mask.for_window(window), gqa)
     if isinstance(mask, VarlenMask):
         from torch.nn.attention.varlen import varlen_attn
 
@@ -183,7 +294,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
             gqa_kw = {}
         B, H, T, D = q.shape
         flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
+        left = -1 if window is None else window - 1
         out = varlen_attn(*flat, mask.cu_seqlens, mask.cu_seqlens, mask.max_len, mask.max_len,
-                          window_size=(-1, 0), **gqa_kw)
+                          window_size=(left, 0), **gqa_kw)
         return out.reshape(B, T, H, D).transpose(1, 2)
     raise TypeError(f"unknown attention mask {type(mask).__name__}")

@@ -15,8 +15,7 @@ class LlamaBlock(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.attention_norm = RMSNorm(h, cfg.norm_eps)
-        self.attention = Attention(h, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
-                                   bias=cfg.attn_bias)
+        self.attention = Attention.from_config(cfg)
         self.ffn_norm = RMSNorm(h, cfg.norm_eps)
         self.feed_forward = SwiGLU(h, cfg.ffn_hidden_size)
 
