@@ -24,7 +24,9 @@ Weights: autocast caches one low-precision copy of every linear weight per
 forward and autograd keeps it until backward, so zero 0/1 runs also hold
 ``compute bytes x linear params`` (less the blocks that recompute, where the
 casts are redone in backward). Under zero 2/3, FSDP2's mixed-precision policy
-gathers bf16 parameters and autocast's casts are no-ops.
+gathers bf16 parameters and autocast's casts are no-ops. A LoRA base kept
+in bf16 or NF4 has no such copies (giantmodel.planner.frozen); its
+adapters, fp32 leaves, do.
 """
 
 from __future__ import annotations
@@ -38,9 +40,22 @@ from giantmodel.models import build_model
 from giantmodel.parallel.flat_buffer import layout_sizes, padding_and_first_bucket
 from giantmodel.parallel.fsdp import kept_gathered
 from giantmodel.parallel.strategy import strategy_name
+from giantmodel.planner.frozen import (
+    base_copy_numel,
+    bf16_residual,
+    frozen_param_bytes,
+)
 from giantmodel.planner.layout import Layout
+from giantmodel.planner.terms import (  # noqa: F401  (re-exported)
+    DTYPE_BYTES,
+    Term,
+    cp_masked_attention,
+    cp_none_terms,
+    layer_terms,
+    selective_terms,
+    term_bytes,
+)
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MIB = 1024 ** 2
 
 # Fragmentation allowance on top of what the caching allocator hands out for
@@ -147,21 +162,23 @@ def param_table(model_cfg) -> ParamTable:
     return _param_table(_model_key(model_cfg), model_cfg)
 
 
+def stage_param_list(table: ParamTable, stage: int, num_stages: int,
+                     n_layers: int) -> list[tuple[Param, bool]]:
+    """Every parameter on one pipeline stage, with whether it is a block's."""
+    out = [(p, False) for p in table.embed] if stage == 0 else []
+    out += [(p, True) for _ in range(n_layers) for p in table.layer]
+    if stage == num_stages - 1:
+        out += [(p, False) for p in table.final + table.head]
+        if table.tied and num_stages > 1:
+            # the last stage holds its own copy of the tied embedding
+            out += [(p, False) for p in table.embed if p.name.startswith("tok_")]
+    return out
+
+
 def stage_params(table: ParamTable, stage: int, num_stages: int, n_layers: int,
                  tp: int) -> list[tuple[int, ...]]:
     """Local (post-TP) shapes of every parameter on one pipeline stage."""
-    shapes: list[tuple[int, ...]] = []
-    if stage == 0:
-        shapes += [p.local_shape(tp) for p in table.embed]
-    for _ in range(n_layers):
-        shapes += [p.local_shape(tp) for p in table.layer]
-    if stage == num_stages - 1:
-        shapes += [p.local_shape(tp) for p in table.final]
-        shapes += [p.local_shape(tp) for p in table.head]
-        if table.tied and num_stages > 1:
-            # the last stage holds its own copy of the tied embedding
-            shapes += [p.local_shape(tp) for p in table.embed if p.name.startswith("tok_")]
-    return shapes
+    return [p.local_shape(tp) for p, _ in stage_param_list(table, stage, num_stages, n_layers)]
 
 
 def shard_numel(shape: tuple[int, ...], degree: int, rank: int = 0) -> int:
@@ -252,155 +269,26 @@ def model_state_bytes(shapes: list[tuple[int, ...]], zero: int, shard_degree: in
 
 
 # ------------------------------------------------------------- activations
-@dataclass(frozen=True)
-class Term:
-    """One tensor saved for backward, per token of the local sequence."""
-
-    name: str
-    bytes_per_token: float
-    split: str
-    """'tp': split by tensor parallelism; 'seq': split by tp only under sequence
-    parallelism (norm/residual region); 'full': neither (gathered linear inputs)."""
-    kv: bool = False
-    """K/V tensor: all-gathered over context parallelism, so cp times longer."""
-
-
-def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = None
-                ) -> list[Term]:
-    """Saved tensors of one transformer block (see the module docstring).
-    ``lora`` = (rank, adapted paths): the block's base is frozen (see
-    :func:`_frozen_base_terms`)."""
-    c = DTYPE_BYTES[precision]
-    cast = c < 4   # autocast: each linear casts its input separately
-    h, f = m.hidden_size, m.ffn_hidden_size
-    q, kv, n = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head, m.num_heads
-    terms = []
-    if m.arch == "llama":
-        def norm(p):  # RMSNorm: fp32 input, x * rstd, rstd
-            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
-                    Term(f"{p}.rstd", 4, "seq")]
-        terms += norm("attention_norm")
-        terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
-                  Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
-                  Term("attention.v", c * kv, "tp", kv=True),
-                  Term("attention.lse", 4 * n, "tp"),
-                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
-                  Term("attention.core_out", c * q, "tp")]
-        terms += norm("ffn_norm")
-        terms += [Term("feed_forward.input", 2 * c * h if cast else 4 * h, "full"),
-                  Term("feed_forward.w1_out", c * f, "tp"), Term("feed_forward.w3_out", c * f, "tp"),
-                  Term("feed_forward.silu", c * f, "tp"),
-                  Term("feed_forward.w2_input", c * f, "tp")]
-    else:
-        def norm(p):  # LayerNorm: fp32 input, mean and rstd
-            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.stats", 8, "seq")]
-        terms += norm("attention_norm")
-        terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
-                  Term("attention.q", c * q, "tp"), Term("attention.k", c * kv, "tp", kv=True),
-                  Term("attention.v", c * kv, "tp", kv=True),
-                  Term("attention.lse", 4 * n, "tp"),
-                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
-                  Term("attention.core_out", c * q, "tp")]
-        terms += norm("ffn_norm")
-        terms += [Term("feed_forward.input", c * h if cast else 4 * h, "full"),
-                  Term("feed_forward.w1_out", c * f, "tp"),
-                  Term("feed_forward.w2_input", c * f, "tp")]
-        if m.dropout > 0:  # CUDA dropout keeps a 1-byte mask per element
-            terms += [Term("dropout.masks", 2 * h, "seq"), Term("attention.dropout_rng", 0, "tp")]
-    return terms if lora is None else _frozen_base_terms(m, terms, c, *lora)
-
-
-# Which linears read each saved linear input (the block's q/k/v and MLP inputs).
-_LINEAR_INPUTS = {"attention.input": ("attention.wq", "attention.wk", "attention.wv"),
-                  "feed_forward.input": ("feed_forward.w1", "feed_forward.w3"),
-                  "feed_forward.w2_input": ("feed_forward.w2",)}
-
-
-def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
-                       paths: tuple[str, ...]) -> list[Term]:
-    """LoRA: a frozen weight needs no weight gradient, so autograd keeps a
-    linear's input only for the adapters that read it (one cast copy per
-    adapter under autocast, as for the base linears); RMSNorm's ``x * rstd``
-    was kept only for its (now frozen) weight. Each adapter adds its rank-r
-    ``A x`` (B's input). GPT's LayerNorm keeps its input and statistics anyway."""
-    cast = c < 4
-    out = []
-    for t in terms:
-        if t.name.endswith(".normed"):
-            continue
-        readers = _LINEAR_INPUTS.get(t.name)
-        if readers is not None:
-            if m.arch == "gpt" and t.name == "feed_forward.input":
-                readers = ("feed_forward.w1",)
-            adapted = sum(r in paths for r in readers)
-            if not adapted:
-                continue
-            per_reader = t.bytes_per_token / (len(readers) if cast else 1)
-            t = Term(t.name, per_reader * (adapted if cast else 1), t.split)
-        out.append(t)
-    # A x is [tokens, r] whole on every tp rank (A's row-parallel partial
-    # sums are reduced); adapter dropout (lora.dropout > 0) is not counted.
-    out += [Term(f"{p}.lora_ax", c * rank, "full") for p in paths]
-    return out
-
-
-def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
-    """What the selective policy keeps per block (giantmodel.parallel.recompute):
-    the block input (the checkpoint's), every matmul output (under tp the
-    row-parallel ones are partial sums), the fused attention kernel's output
-    and log-sum-exp, and under sp the reduce-scatter results. Norms, casts,
-    rotary, the MLP activation, the tp all-reduce and the sp/cp all-gathers
-    are recomputed.
-
-    Under context parallelism (no attention dropout) each chunk's attention
-    is two fused kernels, the keys before it and its causal diagonal block
-    (giantmodel.parallel.context._SplitCausalAttention): the policy keeps
-    both kernels' outputs and log-sum-exps and recomputes their merge, so
-    core_out and lse count twice. Exact on every cp rank but the first,
-    whose first chunk is one causal kernel (3/4 of it)."""
-    c = DTYPE_BYTES[precision]
-    h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
-    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
-    parts = 2 if cp > 1 and not cp_masked_attention(m) else 1
-    terms = [Term("block.input", 4 * h, "seq"),
-             Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
-             Term("attention.wv_out", c * kv, "tp"),
-             Term("attention.core_out", parts * c * q, "tp"),
-             Term("attention.lse", parts * 4 * n, "tp"),
-             Term("attention.wo_out", c * h, "full"),   # partial sums under tp
-             Term("feed_forward.w1_out", c * f, "tp"),
-             Term("feed_forward.w2_out", c * h, "full")]
-    if m.arch == "llama":
-        terms.append(Term("feed_forward.w3_out", c * f, "tp"))
-    if tp > 1 and sp:   # reduce-scatter results of wo and w2
-        terms += [Term("attention.wo_reduced", c * h, "seq"),
-                  Term("feed_forward.w2_reduced", c * h, "seq")]
-    return terms
-
-
-def _term_bytes(t: Term, tokens: float, tp: int, sp: bool, cp: int) -> float:
-    div = tp if (t.split == "tp" or (t.split == "seq" and sp)) else 1
-    return tokens * t.bytes_per_token / div * (cp if t.kv else 1)
-
-
 _ACTS: dict[tuple, dict[str, float]] = {}
 
 
 def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_len: int,
                            tp: int = 1, sp: bool = False, cp: int = 1,
                            lora: tuple[int, tuple[str, ...]] | None = None,
-                           recomputed: tuple[str, ...] = ()) -> dict[str, float]:
+                           recomputed: tuple[str, ...] = (),
+                           bf16_stream: bool = False) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch, by tensor name.
     ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens.
     ``lora``: (rank, adapted paths) of a frozen base (:func:`layer_terms`).
     ``recomputed``: block matmuls (``wq`` ... ``w3``) whose outputs a selective
     policy re-runs instead of keeping (another stack's policy; this engine's
-    keeps them all)."""
+    keeps them all). ``bf16_stream``: the residual stream is bf16 (a frozen
+    base kept in bf16, :func:`giantmodel.planner.frozen.bf16_residual`)."""
     key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
-           recomputed)
+           recomputed, bf16_stream)
     if key not in _ACTS:
         _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp,
-                                             cp, lora, recomputed)
+                                             cp, lora, recomputed, bf16_stream)
     return dict(_ACTS[key])
 
 
@@ -410,46 +298,22 @@ def _matmul_output(name: str) -> str:
 
 
 def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
-                            recomputed=()):
+                            recomputed=(), bf16_stream=False):
     tokens = micro_batch * seq_len / cp
-    terms = layer_terms(m, precision, lora)
-    if mode == "full":
-        first = terms[0]  # the block input (fp32 residual)
-        return {"block.input": _term_bytes(first, tokens, tp, sp, cp)}
+    terms = layer_terms(m, precision, lora, bf16_stream)
+    block_input = Term("block.input", (2 if bf16_stream else 4) * m.hidden_size, "seq")
+    if mode == "full":  # the checkpoint keeps the block input (the residual)
+        return {"block.input": term_bytes(block_input, tokens, tp, sp, cp)}
     if mode == "selective":
         dropped = {_matmul_output(n) for n in recomputed}
-        terms = [t for t in selective_terms(m, precision, tp, sp, cp) if t.name not in dropped]
-    out = {t.name: _term_bytes(t, tokens, tp, sp, cp) for t in terms}
+        terms = [block_input] + [t for t in selective_terms(m, precision, tp, sp, cp)
+                                 if t.name not in dropped and t.name != "block.input"]
+    out = {t.name: term_bytes(t, tokens, tp, sp, cp) for t in terms}
+    if mode == "none" and bf16_stream and m.arch == "llama":
+        # each RMSNorm's fp32 copy of its bf16 weight, kept by its product
+        out["norm_weights.fp32"] = 2 * 4.0 * m.hidden_size
     if cp > 1 and mode == "none":
-        out.update(_cp_none_terms(m, precision, micro_batch, seq_len, tp, cp, lora))
-    return out
-
-
-def cp_masked_attention(m) -> bool:
-    """Whether context-parallel attention takes its masked SDPA call
-    (attention dropout, GPT only) instead of the split fused kernels."""
-    return m.arch != "llama" and m.dropout > 0
-
-
-def _cp_none_terms(m, precision: str, micro_batch: int, seq_len: int, tp: int, cp: int,
-                   lora) -> dict[str, float]:
-    """What context-parallel attention keeps beyond ``layer_terms`` without
-    recompute (giantmodel.parallel.context). The chunks' outputs are
-    concatenated along the sequence and copied into wo's [B, T, H*D] input,
-    so the outputs attention saves (the split kernels' merged output, or
-    SDPA's) and wo's input are two tensors, not one; a frozen wo (LoRA
-    without a wo adapter) keeps no input. The index putting the gathered
-    keys in position order (int64 [s]) is kept by their index_select. The
-    masked call (attention dropout) keeps each chunk's boolean mask [c, end]:
-    c^2 (2cp + 1) on every rank but the first, c = s / (2cp)."""
-    tokens = micro_batch * seq_len / cp
-    out = {"attention.cp_key_order": 8.0 * seq_len}
-    if lora is None or "attention.wo" in lora[1]:
-        q = m.num_heads * m.dim_per_head
-        out["attention.wo_input"] = tokens * DTYPE_BYTES[precision] * q / tp
-    if cp_masked_attention(m):
-        chunk = seq_len / (2 * cp)
-        out["attention.cp_mask"] = chunk * chunk * (2 * cp + 1)
+        out.update(cp_none_terms(m, precision, micro_batch, seq_len, tp, cp, lora))
     return out
 
 
@@ -577,11 +441,6 @@ class MemoryReport:
 
 _STATES: dict[tuple, tuple[dict[str, int], int]] = {}
 
-# NF4 (torchao): 4 bits a value, an int8 scale per 64 values, an fp32 scale
-# per 256 of those.
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
-
-
 def lora_layer_shapes(table: ParamTable, layout: Layout) -> list[tuple[int, ...]]:
     """Local shapes of one block's adapters: A [r, in], B [out, r]; tensor
     parallelism splits B with a column-parallel base and A with a row-parallel one."""
@@ -596,25 +455,41 @@ def lora_layer_shapes(table: ParamTable, layout: Layout) -> list[tuple[int, ...]
     return shapes
 
 
-def _lora_states(table: ParamTable, layout: Layout, base: list[tuple[int, ...]],
-                 n_layers: int, shard_degree: int, style: str, strategy: str) -> dict[str, float]:
+def _lora_states(table: ParamTable, layout: Layout, stages: tuple[int, ...], n_layers: int,
+                 shard_degree: int, style: str, strategy: str) -> dict[str, float]:
     """LoRA: the frozen base holds parameters only -- own ZeRO leaves it out
-    of its flat buffers, FSDP2 shards it like any parameter -- in NF4 when
-    quantised; the adapters hold parameters, gradients and optimizer state."""
+    of its flat buffers, FSDP2 shards it like any parameter -- in the dtypes
+    the objective keeps (:mod:`giantmodel.planner.frozen`: bf16 under bf16,
+    NF4 when quantised); the adapters hold parameters, gradients and
+    optimizer state."""
     adapters = lora_layer_shapes(table, layout) * n_layers
     states = model_state_bytes(adapters, layout.zero, shard_degree, style, 0,
                                strategy=strategy, bucket_mb=layout.bucket_mb)
-    b = StateBytes.for_style(style)
-    sharded = shard_degree > 1 and (layout.zero >= 3 if style == "mixed" else strategy == "fsdp")
-    numel = sum(shard_numel(s, shard_degree) if sharded else math.prod(s) for s in base)
-    base_bytes = float(b.param * numel)
-    if layout.lora_nf4:
-        adapted = n_layers * sum(math.prod(p.local_shape(layout.tp)) for p in table.layer
-                                 if p.name.rsplit(".", 1)[0] in layout.lora_paths)
-        adapted = adapted // shard_degree if sharded else adapted
-        base_bytes -= adapted * (b.param - NF4_BYTES)
-    states["params"] = states["params"] + base_bytes
+    states["params"] = states["params"] + lora_frozen_bytes(table, layout, stages, style,
+                                                            strategy)
     return states
+
+
+def _lora_sharded(layout: Layout, style: str, strategy: str) -> bool:
+    """Whether FSDP2 shards the frozen base (its parameters are DTensors)."""
+    shard_degree = layout.dp_shard * layout.cp
+    return shard_degree > 1 and (layout.zero >= 3 if style == "mixed" else strategy == "fsdp")
+
+
+def lora_frozen_bytes(table: ParamTable, layout: Layout, stages: tuple[int, ...],
+                      style: str = "autocast", strategy: str = "own") -> float:
+    """Bytes of a LoRA model's frozen base on the pipeline rank holding ``stages``."""
+    sharded = _lora_sharded(layout, style, strategy)
+    degree = layout.dp_shard * layout.cp
+
+    def numel(p: Param) -> int:
+        shape = p.local_shape(layout.tp)
+        return shard_numel(shape, degree) if sharded else math.prod(shape)
+
+    named = [pb for s in stages for pb in stage_param_list(table, s, layout.num_stages,
+                                                           layout.stage_layers[s])]
+    return frozen_param_bytes([p for p, _ in named], [b for _, b in named], layout,
+                              StateBytes.for_style(style).param, sharded, numel)
 
 
 def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
@@ -625,7 +500,9 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
            layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb,
-           layout.lora_rank, layout.lora_paths, layout.lora_nf4, on_accelerator(hw))
+           layout.lora_rank, layout.lora_paths, layout.lora_nf4, on_accelerator(hw),
+           # a frozen base's dtypes (giantmodel.planner.frozen)
+           (layout.precision, layout.sp) if layout.lora_rank else None)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         for s in stages:
@@ -633,7 +510,8 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
         strategy = layout_strategy(table, layout, hw)
         if layout.lora_rank:
             n_layers = sum(layout.stage_layers[s] for s in stages)
-            states = _lora_states(table, layout, shapes, n_layers, shard_degree, style, strategy)
+            states = _lora_states(table, layout, stages, n_layers, shard_degree, style,
+                                  strategy)
         else:
             states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
                                        strategy=strategy, bucket_mb=layout.bucket_mb)
@@ -705,6 +583,9 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         comp["working_weights"] = kept * c + (0 if every else 2 * layer_local * c)
     elif layout.zero == 2:
         comp["working_weights"] = local_full * c
+    elif c < 4 and layout.lora_rank:
+        comp["working_weights"] = _lora_weight_copies(table, layout, modes.get("none", 0),
+                                                      ns - 1 in stages, style, hw) * c
     elif c < 4:
         lin = table.head_linear_numel(layout.tp) if ns - 1 in stages else 0
         lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp)
@@ -720,8 +601,11 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len
     lora = (layout.lora_rank, layout.lora_paths) if layout.lora_rank else None
+    bf16_stream = bf16_residual(layout, _lora_sharded(layout, style,
+                                                      layout_strategy(table, layout, hw)))
     by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
-                                            layout.sp, layout.cp, lora, recomputed)
+                                            layout.sp, layout.cp, lora, recomputed,
+                                            bf16_stream)
                for mode in set(modes) | {"none", layout.recompute}}
     per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
@@ -757,6 +641,23 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                                              + comp["working_weights"] + comp["comm_buffers"])
     comp["reserved"] = hw.reserved_bytes if hw is not None else 0.0
     return RankMemory(pp_rank, comp, per_layer, n_layers, inflight)
+
+
+def _lora_weight_copies(table: ParamTable, layout: Layout, none_blocks: int, last: bool,
+                        style: str, hw) -> int:
+    """Elements autocast casts and autograd keeps until backward in a LoRA
+    model (zero 0/1): every adapter weight (trainable fp32 leaves: cast once
+    per forward and cached) of the blocks that do not recompute, and the
+    frozen linears not already in the compute dtype
+    (:func:`giantmodel.planner.frozen.base_copy_numel`), the head among them
+    where it is a DTensor or was not cast."""
+    sharded = _lora_sharded(layout, style, layout_strategy(table, layout, hw))
+    per_block = (sum(math.prod(s) for s in lora_layer_shapes(table, layout))
+                 + base_copy_numel(table.layer, layout, sharded))
+    head = 0
+    if last and (layout.tp > 1 or not bf16_residual(layout, sharded)):
+        head = table.head_linear_numel(layout.tp)
+    return none_blocks * per_block + head
 
 
 def optimizer_step_bytes(layout: Layout, hw, comp: dict[str, float], style: str) -> float:

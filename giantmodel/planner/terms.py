@@ -1,0 +1,178 @@
+"""Per-token terms of the activation model: what one transformer block of
+this project keeps for backward, tensor by tensor (the memory model,
+:mod:`giantmodel.planner.memory`, sums them per layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One tensor saved for backward, per token of the local sequence."""
+
+    name: str
+    bytes_per_token: float
+    split: str
+    """'tp': split by tensor parallelism; 'seq': split by tp only under sequence
+    parallelism (norm/residual region); 'full': neither (gathered linear inputs)."""
+    kv: bool = False
+    """K/V tensor: all-gathered over context parallelism, so cp times longer."""
+
+
+def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = None,
+                bf16_stream: bool = False) -> list[Term]:
+    """Saved tensors of one transformer block (see the module docstring).
+    ``lora`` = (rank, adapted paths): the block's base is frozen (see
+    :func:`_frozen_base_terms`). ``bf16_stream``: the residual stream is bf16
+    (a LoRA base kept in bf16): the norms still keep fp32 copies of their
+    inputs, but RMSNorm returns bf16 (``type_as``), which LLaMA's linears read
+    without casts, one tensor for all of them. GPT's LayerNorm runs in fp32
+    under CUDA autocast and returns fp32: its linears still cast. (CPU
+    autocast leaves layer_norm in bf16: GPT on a CPU keeps less.)"""
+    c = DTYPE_BYTES[precision]
+    cast = c < 4   # autocast: each linear casts its input separately
+    shared = cast and bf16_stream and m.arch == "llama"   # bf16 norm outputs: no casts
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv, n = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head, m.num_heads
+    terms = []
+    if m.arch == "llama":
+        def norm(p):  # RMSNorm: fp32 input, x * rstd, rstd
+            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
+                    Term(f"{p}.rstd", 4, "seq")]
+        terms += norm("attention_norm")
+        terms += [Term("attention.input", c * h if shared else 3 * c * h if cast else 4 * h,
+                       "full"),
+                  Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
+                  Term("attention.v", c * kv, "tp", kv=True),
+                  Term("attention.lse", 4 * n, "tp"),
+                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
+                  Term("attention.core_out", c * q, "tp")]
+        terms += norm("ffn_norm")
+        terms += [Term("feed_forward.input", c * h if shared else 2 * c * h if cast else 4 * h,
+                       "full"),
+                  Term("feed_forward.w1_out", c * f, "tp"), Term("feed_forward.w3_out", c * f, "tp"),
+                  Term("feed_forward.silu", c * f, "tp"),
+                  Term("feed_forward.w2_input", c * f, "tp")]
+    else:
+        def norm(p):  # LayerNorm: fp32 input, mean and rstd
+            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.stats", 8, "seq")]
+        terms += norm("attention_norm")
+        terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
+                  Term("attention.q", c * q, "tp"), Term("attention.k", c * kv, "tp", kv=True),
+                  Term("attention.v", c * kv, "tp", kv=True),
+                  Term("attention.lse", 4 * n, "tp"),
+                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
+                  Term("attention.core_out", c * q, "tp")]
+        terms += norm("ffn_norm")
+        terms += [Term("feed_forward.input", c * h if cast else 4 * h, "full"),
+                  Term("feed_forward.w1_out", c * f, "tp"),
+                  Term("feed_forward.w2_input", c * f, "tp")]
+        if m.dropout > 0:  # CUDA dropout keeps a 1-byte mask per element
+            terms += [Term("dropout.masks", 2 * h, "seq"), Term("attention.dropout_rng", 0, "tp")]
+    return terms if lora is None else _frozen_base_terms(m, terms, c, *lora, shared=shared)
+
+
+# Which linears read each saved linear input (the block's q/k/v and MLP inputs).
+_LINEAR_INPUTS = {"attention.input": ("attention.wq", "attention.wk", "attention.wv"),
+                  "feed_forward.input": ("feed_forward.w1", "feed_forward.w3"),
+                  "feed_forward.w2_input": ("feed_forward.w2",)}
+
+
+def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
+                       paths: tuple[str, ...], shared: bool = False) -> list[Term]:
+    """LoRA: a frozen weight needs no weight gradient, so autograd keeps a
+    linear's input only for the adapters that read it (one cast copy per
+    adapter under autocast, as for the base linears); RMSNorm's ``x * rstd``
+    was kept only for its (now frozen) weight. Each adapter adds its rank-r
+    ``A x`` (B's input). GPT's LayerNorm keeps its input and statistics anyway.
+    ``shared``: the linears read one bf16 tensor (no casts), kept whole for
+    any adapter."""
+    cast = c < 4 and not shared
+    out = []
+    for t in terms:
+        if t.name.endswith(".normed"):
+            continue
+        readers = _LINEAR_INPUTS.get(t.name)
+        if readers is not None:
+            if m.arch == "gpt" and t.name == "feed_forward.input":
+                readers = ("feed_forward.w1",)
+            adapted = sum(r in paths for r in readers)
+            if not adapted:
+                continue
+            per_reader = t.bytes_per_token / (len(readers) if cast else 1)
+            t = Term(t.name, per_reader * (adapted if cast else 1), t.split)
+        out.append(t)
+    # A x is [tokens, r] whole on every tp rank (A's row-parallel partial
+    # sums are reduced); adapter dropout (lora.dropout > 0) is not counted.
+    out += [Term(f"{p}.lora_ax", c * rank, "full") for p in paths]
+    return out
+
+
+def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
+    """What the selective policy keeps per block (giantmodel.parallel.recompute):
+    the block input (the checkpoint's), every matmul output (under tp the
+    row-parallel ones are partial sums), the fused attention kernel's output
+    and log-sum-exp, and under sp the reduce-scatter results. Norms, casts,
+    rotary, the MLP activation, the tp all-reduce and the sp/cp all-gathers
+    are recomputed.
+
+    Under context parallelism (no attention dropout) each chunk's attention
+    is two fused kernels, the keys before it and its causal diagonal block
+    (giantmodel.parallel.context._SplitCausalAttention): the policy keeps
+    both kernels' outputs and log-sum-exps and recomputes their merge, so
+    core_out and lse count twice. Exact on every cp rank but the first,
+    whose first chunk is one causal kernel (3/4 of it)."""
+    c = DTYPE_BYTES[precision]
+    h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
+    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    parts = 2 if cp > 1 and not cp_masked_attention(m) else 1
+    terms = [Term("block.input", 4 * h, "seq"),
+             Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
+             Term("attention.wv_out", c * kv, "tp"),
+             Term("attention.core_out", parts * c * q, "tp"),
+             Term("attention.lse", parts * 4 * n, "tp"),
+             Term("attention.wo_out", c * h, "full"),   # partial sums under tp
+             Term("feed_forward.w1_out", c * f, "tp"),
+             Term("feed_forward.w2_out", c * h, "full")]
+    if m.arch == "llama":
+        terms.append(Term("feed_forward.w3_out", c * f, "tp"))
+    if tp > 1 and sp:   # reduce-scatter results of wo and w2
+        terms += [Term("attention.wo_reduced", c * h, "seq"),
+                  Term("feed_forward.w2_reduced", c * h, "seq")]
+    return terms
+
+
+def term_bytes(t: Term, tokens: float, tp: int, sp: bool, cp: int) -> float:
+    div = tp if (t.split == "tp" or (t.split == "seq" and sp)) else 1
+    return tokens * t.bytes_per_token / div * (cp if t.kv else 1)
+
+
+def cp_masked_attention(m) -> bool:
+    """Whether context-parallel attention takes its masked SDPA call
+    (attention dropout, GPT only) instead of the split fused kernels."""
+    return m.arch != "llama" and m.dropout > 0
+
+
+def cp_none_terms(m, precision: str, micro_batch: int, seq_len: int, tp: int, cp: int,
+                   lora) -> dict[str, float]:
+    """What context-parallel attention keeps beyond ``layer_terms`` without
+    recompute (giantmodel.parallel.context). The chunks' outputs are
+    concatenated along the sequence and copied into wo's [B, T, H*D] input,
+    so the outputs attention saves (the split kernels' merged output, or
+    SDPA's) and wo's input are two tensors, not one; a frozen wo (LoRA
+    without a wo adapter) keeps no input. The index putting the gathered
+    keys in position order (int64 [s]) is kept by their index_select. The
+    masked call (attention dropout) keeps each chunk's boolean mask [c, end]:
+    c^2 (2cp + 1) on every rank but the first, c = s / (2cp)."""
+    tokens = micro_batch * seq_len / cp
+    out = {"attention.cp_key_order": 8.0 * seq_len}
+    if lora is None or "attention.wo" in lora[1]:
+        q = m.num_heads * m.dim_per_head
+        out["attention.wo_input"] = tokens * DTYPE_BYTES[precision] * q / tp
+    if cp_masked_attention(m):
+        chunk = seq_len / (2 * cp)
+        out["attention.cp_mask"] = chunk * chunk * (2 * cp + 1)
+    return out

@@ -1,0 +1,109 @@
+"""The planner's LoRA memory against LoRA models the objective really builds
+(single process, tiny models): the frozen base's bytes (bf16 under bf16
+training, NF4 base linears with QLoRA), and what a block keeps for backward
+once the base is bf16 (no autocast copies of it, a bf16 residual stream)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_planner_activations import B, T, autocast, tiny
+
+from giantmodel.config.schema import JobConfig
+from giantmodel.core.loss import cross_entropy_sum
+from giantmodel.objectives.lora import LoRA
+from giantmodel.parallel.objective import StageSpec
+from giantmodel.planner.layout import Cluster, resolve_layout
+from giantmodel.planner.measure import LiveStorageCounter
+from giantmodel.planner.memory import (
+    lora_frozen_bytes,
+    lora_layer_shapes,
+    memory_report,
+    param_table,
+)
+
+
+def _job(arch: str, precision: str, targets: list[str], nf4: bool = False,
+         layers: int = 3, **model_kw) -> JobConfig:
+    # vocab 4096: the default tokenizer's size, which the LM objective checks
+    m = dataclasses.replace(tiny(arch, vocab_size=4096, **model_kw), num_layers=layers)
+    cfg = JobConfig(model=m, objective="lora", precision=precision)
+    cfg.lora.rank, cfg.lora.targets = 8, targets
+    cfg.lora.quantize_base = "nf4" if nf4 else "none"
+    cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.global_batch_size = T, B, B
+    return cfg
+
+
+def _built(cfg: JobConfig) -> torch.nn.Module:
+    """The model as training gets it: built, frozen, initialised (the base
+    cast or quantised by the objective)."""
+    torch.manual_seed(0)
+    obj = LoRA.from_config(cfg)
+    model = obj.build(StageSpec())
+    obj.init_weights(model, torch.device("cpu"))
+    return model
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    if hasattr(p, "get_original_weight"):  # an NF4 tensor: its inner tensors
+        return sum(_nbytes(getattr(p, n)) for n in p.__tensor_flatten__()[0])
+    return p.numel() * p.element_size()
+
+
+CASES = [("llama", "bf16", ["all_linear"], {}), ("gpt", "bf16", ["q_proj", "w1"], {}),
+         ("llama", "fp32", ["all_linear"], {}),
+         # wk/wv hold 96 x 256 values, not a multiple of NF4's 64 x 256 blocks:
+         # QLoRA keeps them in bf16
+         ("llama", "bf16", ["all_linear"], {"nf4": True, "num_heads": 6, "num_kv_heads": 3})]
+
+
+@pytest.mark.parametrize("arch, precision, targets, kw", CASES)
+def test_frozen_base_bytes_match_the_built_model(arch, precision, targets, kw):
+    if kw.get("nf4"):
+        pytest.importorskip("torchao")
+    cfg = _job(arch, precision, targets, **kw)
+    model = _built(cfg)
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in frozen.values() if not hasattr(p, "get_original_weight")}
+    assert dtypes == {torch.bfloat16 if precision == "bf16" else torch.float32}, dtypes
+    n_nf4 = sum(hasattr(p, "get_original_weight") for p in frozen.values())
+    assert n_nf4 == (cfg.model.num_layers * 5 if kw.get("nf4") else 0)   # wq wo w1 w2 w3
+    assert {p.dtype for p in adapters} == {torch.float32}
+    layout = resolve_layout(cfg, Cluster(1, 1))
+    table = param_table(cfg.model)
+    want = lora_frozen_bytes(table, layout, tuple(layout.rank_stages(0)))
+    got = sum(_nbytes(p) for p in frozen.values())
+    assert want == got, (want, got)
+    n_adapters = cfg.model.num_layers * sum(a * b for a, b in lora_layer_shapes(table, layout))
+    assert n_adapters == sum(p.numel() for p in adapters)
+    params = memory_report(cfg.model, layout, None).ranks[0].components["params"]
+    assert params == got + 4 * n_adapters
+
+
+def _forward_bytes(cfg: JobConfig) -> int:
+    model = _built(cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    live = LiveStorageCounter()
+    with live, autocast(cfg.precision):
+        loss, _ = cross_entropy_sum(model(ids), ids)
+    nbytes = live.live_bytes()
+    loss.backward()
+    return nbytes
+
+
+@pytest.mark.parametrize("targets", [["all_linear"], ["q_proj", "v_proj"]])
+def test_block_under_a_bf16_base_keeps_what_the_planner_says(targets):
+    """Per block, without recompute: the bf16 RMSNorm output read by the
+    linears without casts, adapters' autocast copies and no copies of the
+    base (measured as the difference between 3 and 1 layers)."""
+    per = {}
+    for layers in (3, 1):
+        cfg = _job("llama", "bf16", targets, layers=layers)
+        c = memory_report(cfg.model, resolve_layout(cfg, Cluster(1, 1)), None).ranks[0].components
+        per[layers] = (_forward_bytes(cfg), c["activations"] + c["working_weights"])
+    measured = (per[3][0] - per[1][0]) / 2
+    predicted = (per[3][1] - per[1][1]) / 2
+    assert abs(predicted / measured - 1) < 0.02, (measured, predicted)
