@@ -35,7 +35,7 @@ from giantmodel.data.sft import prepare_sft, sft_template
 from giantmodel.metrics.flops import flops_per_token
 from giantmodel.models import build_model, init_weights
 from giantmodel.models.generate import generate_text
-from giantmodel.models.registry import copy_full_into, full_init_tensor
+from giantmodel.models.registry import init_parameter
 from giantmodel.parallel.context import apply_context_parallel, balanced_positions, shard_sequence
 from giantmodel.parallel.objective import BaseObjective, StageSpec
 from giantmodel.parallel.tensor import (
@@ -115,8 +115,7 @@ class LanguageModel(BaseObjective):
         if self.model_cfg.tie_embeddings and module.output is not None and module.tok_embeddings is None:
             # A last stage without the embedding holds the head as a copy of
             # it: give it the embedding's draw, as the single-process tied model has.
-            copy_full_into(module.output.weight, full_init_tensor(
-                _EMBEDDING, module.output.weight.shape, self.model_cfg, self.seed))
+            init_parameter(module.output.weight, _EMBEDDING, self.model_cfg, self.seed)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         return [(_EMBEDDING, _HEAD)] if self.model_cfg.tie_embeddings else []
