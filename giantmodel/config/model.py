@@ -7,6 +7,7 @@ from typing import Literal
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.modes import refuse_unused
+from giantmodel.config.moe import MoEConfig
 
 
 @dataclass
@@ -61,6 +62,8 @@ class ModelConfig:
     """Dropout on attention probabilities and residual branches (GPT); 0 disables it."""
     attn_bias: bool = False
     """Bias on the q/k/v/o projections (GPT uses biases regardless)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts feed-forward layers (router, experts, shared experts, balancing); null: every block dense."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections only, none on o (Qwen2); attn_bias=true implies it."""
     qk_norm: bool = False
@@ -102,6 +105,10 @@ class ModelConfig:
             raise ConfigError(f"RoPE needs an even head dim, got {self.dim_per_head}", "model.head_dim")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"must be in [0, 1), got {self.dropout}", "model.dropout")
+        if self.moe is not None:
+            if self.arch != "llama":
+                raise ConfigError(f"MoE layers need arch llama, not {self.arch}", "model.moe")
+            self.moe.validate(self.num_layers)
         if self.sliding_window is not None and not 0 < self.sliding_window <= self.max_seq_len:
             raise ConfigError(
                 f"sliding_window {self.sliding_window} must be between 1 and model.max_seq_len "
@@ -110,6 +117,16 @@ class ModelConfig:
         # block has biases everywhere and no window or qk-norm.
         llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window")
         refuse_unused(self, "model", "arch", {k: ("llama",) for k in llama_only})
+
+    def moe_ffn_params(self, active: bool = False) -> int:
+        """Parameters of one MoE feed-forward (router, experts, shared experts);
+        ``active``: only the top_k routed experts a token uses."""
+        m, h = self.moe, self.hidden_size
+        expert = 3 * h * (m.expert_ffn_hidden_size or self.ffn_hidden_size)
+        shared = 3 * h * m.num_shared_experts * (
+            m.shared_expert_ffn_hidden_size or m.expert_ffn_hidden_size or self.ffn_hidden_size)
+        return (h * m.num_experts + (m.top_k if active else m.num_experts) * expert + shared
+                + (h if m.shared_expert_gate else 0))
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Exact parameter count of the model this config builds."""
@@ -128,6 +145,8 @@ class ModelConfig:
             final_norm = 2 * h
             pos = self.max_seq_len * h
         total = L * per_layer + final_norm
+        if self.moe is not None:  # MoE blocks swap the dense SwiGLU for router + experts
+            total += len(self.moe.sparse_layers(L)) * (self.moe_ffn_params() - 3 * h * f)
         if include_embeddings:
             total += v * h + pos + (0 if self.tie_embeddings else v * h)
         return total

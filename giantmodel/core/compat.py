@@ -18,6 +18,9 @@ all_gather_single      ``dist.all_gather_single`` / ``reduce_scatter_single``;
 varlen_window          ``varlen_attn(..., window_size=...)`` (early releases
                        took ``is_causal``): causal and sliding windows;
                        without it packed and sliding attention take flex
+grouped_mm             ``torch._grouped_mm(a, b, offs=...)``: the experts of an
+                       MoE layer in one grouped GEMM (a fused kernel for bf16
+                       on sm90+); without it one matmul per expert
 =====================  ======================================================
 
 A probe can be forced off, to test the older path on a new torch: list its
@@ -78,11 +81,17 @@ def _varlen_window() -> bool:
     return _accepts(_varlen_attn(), "window_size")
 
 
+def _grouped_mm() -> bool:
+    # private; the same schema in 2.11 and 2.13: (self, mat2, offs=None, bias=None, out_dtype=None)
+    return callable(getattr(torch, "_grouped_mm", None))
+
+
 PROBES: dict[str, Callable[[], bool]] = {
     "pipeline_get_mesh": _pipeline_get_mesh,
     "varlen_enable_gqa": _varlen_enable_gqa,
     "all_gather_single": _all_gather_single,
     "varlen_window": _varlen_window,
+    "grouped_mm": _grouped_mm,
 }
 
 
@@ -186,3 +195,13 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=None, gr
     fn = dist.reduce_scatter_single if has("all_gather_single") else dist.reduce_scatter_tensor
     return fn(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group,
               async_op=async_op)
+
+
+def grouped_mm_fused(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs as one fused kernel for ``dtype`` on
+    ``device``: bf16 on a CUDA GPU of compute capability 9.x or 10.x (the
+    CUTLASS path torch takes there). Elsewhere torch loops over the groups
+    itself, no faster than a loop of matmuls. Reads only device properties."""
+    if not has("grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)

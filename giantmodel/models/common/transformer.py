@@ -15,6 +15,7 @@ from torch import nn
 from giantmodel.config.model import ModelConfig
 from giantmodel.models.common.layers import KVCache, rope_table
 from giantmodel.models.common.masks import document_mask
+from giantmodel.models.common.moe import MoE
 
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -35,6 +36,11 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_seq_len, h) if learned_positions else None)
         self.embed_dropout = nn.Dropout(cfg.dropout) if learned_positions else nn.Identity()
         self.layers = nn.ModuleDict({str(i): block_cls(cfg) for i in range(cfg.num_layers)})
+        if cfg.moe is not None:
+            # The feed-forward is the one per-layer choice: MoE on the sparse
+            # layers (first_k_dense, dense_layers, sparse_step), dense elsewhere.
+            for i in cfg.moe.sparse_layers(cfg.num_layers):
+                self.layers[str(i)].feed_forward = MoE(h, cfg.ffn_hidden_size, cfg.moe)
         self.norm: nn.Module | None = norm_cls(h, eps=cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(h, cfg.vocab_size, bias=False)
         self.uses_rope = not learned_positions

@@ -1,0 +1,350 @@
+"""Mixture-of-Experts feed-forward: router, routed experts, shared experts.
+
+Plain modules with no torch.distributed. Expert parallelism is applied from
+outside later, like tensor parallelism: the routed experts' weights are
+stacked 3-D parameters ``[E, in, out]`` whose dim 0 a plan can shard, and
+the dispatch below is the single-rank case of an all-to-all dispatch.
+
+Semantics follow Hugging Face's ``MixtralSparseMoeBlock`` (softmax, top-k,
+renormalise), ``Qwen3MoeSparseMoeBlock`` (``norm_topk_prob``),
+``Qwen2MoeSparseMoeBlock`` (sigmoid-gated shared expert) and
+``DeepseekV3MoE`` (sigmoid scores, a correction bias used for choosing
+only, group-limited top-k, ``routed_scaling_factor``, shared experts).
+
+What training reads besides the output, per MoE layer:
+
+* the auxiliary losses of the last forward (``take_aux_loss``), already
+  weighted by their coefficients, for the objective to add to the loss;
+* ``stats``: expert loads, dropped assignments and the raw auxiliary losses,
+  summed over the forwards of one optimizer step, for metrics and for the
+  auxiliary-loss-free bias update (:func:`update_expert_bias`) after it.
+
+Neither is recorded when activation recompute re-runs the forward inside
+backward: the step would count its tokens twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from giantmodel.config.moe import MoEConfig
+from giantmodel.core import compat
+from giantmodel.models.common.layers import SwiGLU
+
+# Layout of MoE.stats after the E per-expert loads.
+STAT_DROPPED, STAT_AUX, STAT_SEQ_AUX, STAT_Z, STAT_FORWARDS = range(5)
+NUM_EXTRA_STATS = 5
+
+
+@dataclass
+class Routing:
+    """One forward's routing of N tokens to k of E experts."""
+
+    weights: torch.Tensor
+    """[N, k] fp32 gate weights of the chosen experts (after renormalising and scaling)."""
+    experts: torch.Tensor
+    """[N, k] int64 chosen expert ids."""
+    probs: torch.Tensor
+    """[N, E] fp32 routing probabilities for the balance losses (softmax, or
+    sigmoid scores normalised per token)."""
+    logits: torch.Tensor
+    """[N, E] fp32 router logits (for the z-loss)."""
+
+
+class Router(nn.Module):
+    """Token-choice top-k router, computed in fp32 whatever the training precision.
+
+    ``gate.weight`` is ``[E, hidden]`` (HF's ``gate.weight``); ``expert_bias``
+    (HF DeepSeek-V3's ``e_score_correction_bias``) is a persistent buffer,
+    added to the scores to choose experts but never to weight them."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
+        if cfg.uses_bias:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """``x`` [N, hidden] -> the routing of its N tokens."""
+        c = self.cfg
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())            # [N, E]
+        if c.router == "softmax":
+            scores = probs = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if c.n_group > 1:
+            choice = _limit_to_groups(choice, c.n_group, c.topk_group)
+        experts = choice.topk(c.top_k, dim=-1).indices                        # [N, k]
+        weights = scores.gather(1, experts)
+        if c.norm_topk_prob:
+            # DeepSeek's 1e-20 guards all-zero sigmoid scores; on a softmax sum
+            # (Mixtral, Qwen) it is below fp32 resolution and changes nothing.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if c.routed_scaling_factor != 1.0:
+            weights = weights * c.routed_scaling_factor
+        return Routing(weights, experts, probs, logits)
+
+
+def _limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: keep the ``topk_group`` groups of
+    experts whose two best scores sum highest; the others get -inf."""
+    n, e = choice.shape
+    grouped = choice.view(n, n_group, e // n_group)
+    group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)   # [N, G]
+    best = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    keep = keep.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+    return choice.masked_fill(~keep, float("-inf"))
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts, ``w2(silu(x w1) * x w3)``, stored stacked:
+    ``w1``/``w3`` [E, hidden, ffn] and ``w2`` [E, ffn, hidden] ([E, in, out])."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, impl: str = "auto"):
+        super().__init__()
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, hidden]: rows sorted by expert, ``counts[e]`` rows for
+        expert e (``counts`` may hold one more entry: trailing rows that no
+        expert computes, whose output is undefined) -> [M, hidden]."""
+        dtype = _compute_dtype(x)
+        grouped = self.impl == "grouped_mm" or (
+            self.impl == "auto" and compat.grouped_mm_fused(x.device, dtype))
+        if grouped:
+            return self._grouped(x, counts, dtype)
+        return self._loop(x, counts.tolist())
+
+    def _loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One matmul per expert (the CPU path): torch.split needs the counts on the host."""
+        outs = []
+        for e, xe in enumerate(torch.split(x, counts)):
+            if e >= self.w1.shape[0] or xe.shape[0] == 0:
+                outs.append(torch.zeros_like(xe))  # dropped rows (or none): never read
+                continue
+            outs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
+        return torch.cat(outs)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Three ``torch._grouped_mm`` calls, no host sync. Each expert's rows
+        start at a multiple of 16 bytes' worth of rows (TMA alignment on the
+        token dimension, which the weight gradient contracts over), so rows
+        are scattered into a zero-padded buffer and gathered back. The last
+        group runs to the buffer's end: every output row is then computed
+        (torch leaves rows past the last offset uninitialised, in forward and
+        backward), so the trailing undefined rows hold finite values and
+        their zero gradients stay zero."""
+        num_experts = self.w1.shape[0]
+        align = 16 // (torch.finfo(dtype).bits // 8)
+        counts = counts.to(torch.int64)
+        padded = (counts + align - 1) // align * align
+        # starts of each group (and of the trailing undefined rows) before and after padding
+        start = torch.cumsum(counts, 0) - counts
+        padded_start = torch.cumsum(padded, 0) - padded
+        group = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                        output_size=x.shape[0])
+        dest = torch.arange(x.shape[0], device=x.device) + (padded_start - start)[group]
+        rows = x.shape[0] + len(counts) * (align - 1)
+        xp = x.new_zeros(rows, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
+        offs = torch.cumsum(padded[:num_experts], 0).to(torch.int32)
+        offs = torch.cat([offs[:-1], offs.new_full((1,), rows)])
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        with torch.autocast(x.device.type, enabled=False):
+            h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
+            y = torch._grouped_mm(h, w2, offs=offs)
+        return y[dest]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward of one block: ``[B, T, hidden] -> [B, T, hidden]``."""
+
+    def __init__(self, hidden: int, ffn_hidden_size: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.num_experts
+        expert_ffn = cfg.expert_ffn_hidden_size or ffn_hidden_size
+        self.router = Router(hidden, cfg)
+        self.experts = GroupedExperts(hidden, expert_ffn, e, cfg.experts_impl)
+        self.shared_experts: nn.Module | None = None
+        self.shared_experts_gate: nn.Module | None = None
+        if cfg.num_shared_experts:
+            width = cfg.num_shared_experts * (cfg.shared_expert_ffn_hidden_size or expert_ffn)
+            self.shared_experts = SwiGLU(hidden, width)
+            if cfg.shared_expert_gate:
+                self.shared_experts_gate = nn.Linear(hidden, 1, bias=False)
+        # Per optimizer step (see the module docstring): loads [E], then the
+        # STAT_* entries. Not checkpointed: a step never spans a save.
+        self.register_buffer("stats", torch.zeros(e + NUM_EXTRA_STATS), persistent=False)
+        self._aux: torch.Tensor | None = None
+        self._bias_set = False
+        if self.router.expert_bias is not None:
+            self.register_load_state_dict_pre_hook(_note_loaded_bias)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Zero the step statistics, and the routing bias the first time only
+        (a meta-built model's buffers hold garbage). A bias loaded through
+        ``load_state_dict`` (checkpoints, DCP) or :meth:`set_expert_bias`
+        before this call is kept; so is one that training moved."""
+        self.stats = torch.zeros(self.stats.shape, device=device or self.stats.device)
+        if self.router.expert_bias is not None and not self._bias_set:
+            self.router.expert_bias.zero_()
+            self._bias_set = True
+
+    def set_expert_bias(self, values: torch.Tensor) -> None:
+        """Load the routing bias (e.g. HF's ``e_score_correction_bias``)."""
+        with torch.no_grad():
+            self.router.expert_bias.copy_(values)
+        self._bias_set = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        route = self.router(flat)
+        keep = None
+        if self.cfg.capacity_factor is not None:
+            keep = _within_capacity(route, self.cfg.num_experts, self.cfg.capacity_factor)
+        out = self._routed(flat, route, keep)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(flat)
+            if self.shared_experts_gate is not None:
+                shared = torch.sigmoid(self.shared_experts_gate(flat)) * shared
+            out = out + shared
+        if self.training and torch._C._current_graph_task_id() == -1:
+            # -1: not inside backward, so not a recompute of this forward
+            self._record(route, keep, b, t)
+        return out.view(b, t, hidden)
+
+    def _routed(self, flat: torch.Tensor, route: Routing, keep: torch.Tensor | None) -> torch.Tensor:
+        """Sort the N*k (token, expert) assignments by expert, run the experts
+        on contiguous rows, and combine each token's k outputs by its weights."""
+        n, k = route.experts.shape
+        num_experts = self.cfg.num_experts
+        assigned = route.experts.reshape(-1)                                  # [N*k]
+        if keep is not None:  # dropped assignments sort last, into a group no expert runs
+            assigned = torch.where(keep.reshape(-1), assigned, num_experts)
+        order = torch.argsort(assigned, stable=True)                          # [N*k]
+        counts = torch.zeros(num_experts + (keep is not None), dtype=torch.int64,
+                             device=flat.device).scatter_add_(0, assigned, torch.ones_like(assigned))
+        y_sorted = self.experts(flat[order // k], counts)                     # [N*k, H]
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(
+            order.numel(), device=order.device))
+        y = y_sorted[inverse].view(n, k, -1)                                  # token-major again
+        weights = route.weights
+        if keep is not None:
+            y = torch.where(keep.unsqueeze(-1), y, 0.0)  # undefined rows, not NaN * 0
+            weights = weights * keep
+        # [N, 1, k] @ [N, k, H]: a weighted sum over the k experts, accumulated in fp32
+        return torch.bmm(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(flat.dtype)
+
+    @torch.compiler.disable
+    def _record(self, route: Routing, keep: torch.Tensor | None, b: int, t: int) -> None:
+        """Store the weighted auxiliary loss and add this forward's statistics."""
+        c, e = self.cfg, self.cfg.num_experts
+        loads = torch.zeros(e, device=route.experts.device).scatter_add_(
+            0, route.experts.reshape(-1), torch.ones(route.experts.numel(), device=route.experts.device))
+        raw = balance_losses(route, loads, b, t, c)
+        aux = [c.aux_loss_coeff * raw["aux_loss"] if "aux_loss" in raw else None,
+               c.seq_aux_loss_coeff * raw["seq_aux_loss"] if "seq_aux_loss" in raw else None,
+               c.z_loss_coeff * raw["z_loss"] if "z_loss" in raw else None]
+        terms = [a for a in aux if a is not None]
+        self._aux = torch.stack(terms).sum() if terms else None
+        with torch.no_grad():
+            extra = torch.zeros(NUM_EXTRA_STATS, device=loads.device)
+            if keep is not None:
+                extra[STAT_DROPPED] = (~keep).sum()
+            for slot, key in ((STAT_AUX, "aux_loss"), (STAT_SEQ_AUX, "seq_aux_loss"),
+                              (STAT_Z, "z_loss")):
+                if key in raw:
+                    extra[slot] = raw[key].detach()
+            extra[STAT_FORWARDS] = 1
+            self.stats.add_(torch.cat([loads, extra]))
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The coefficient-weighted auxiliary losses of the last training
+        forward (a scalar with grad), once; None when none are on."""
+        aux, self._aux = self._aux, None
+        return aux
+
+
+def _note_loaded_bias(module: MoE, state_dict, prefix, *args) -> None:
+    if prefix + "router.expert_bias" in state_dict:
+        module._bias_set = True
+
+
+def _within_capacity(route: Routing, num_experts: int, factor: float) -> torch.Tensor:
+    """[N, k] bool: the assignments each expert takes, at most
+    ceil(factor * N * k / E) per expert, the highest-weighted first (Megatron's
+    "probs" drop policy)."""
+    n, k = route.experts.shape
+    capacity = math.ceil(factor * n * k / num_experts)
+    flat_e, flat_w = route.experts.reshape(-1), route.weights.reshape(-1)
+    by_weight = torch.argsort(flat_w, descending=True, stable=True)
+    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # by expert, then weight
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_e.device).scatter_add_(
+        0, flat_e, torch.ones_like(flat_e))
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(order.numel(), device=order.device) - start[flat_e[order]]
+    keep = torch.empty_like(flat_e, dtype=torch.bool).scatter_(0, order, rank < capacity)
+    return keep.view(n, k)
+
+
+def balance_losses(route: Routing, loads: torch.Tensor, b: int, t: int,
+                   cfg: MoEConfig) -> dict[str, torch.Tensor]:
+    """The raw (unweighted) balance losses that ``cfg`` turns on, over this
+    forward's ``b`` x ``t`` tokens; ``loads`` [E] counts each expert's
+    assignments. Switch and sequence-wise losses are 1 when perfectly balanced.
+
+    * aux_loss (Switch/GShard, normalised as Megatron-Core):
+      E * sum_i f_i * P_i, f_i = loads_i / (N k), P_i = mean probability of i;
+    * seq_aux_loss (DeepSeek-V3): the same within each sequence, averaged;
+    * z_loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
+    e, k = cfg.num_experts, cfg.top_k
+    out = {}
+    if cfg.aux_loss_coeff > 0:
+        f = loads / (b * t * k)
+        out["aux_loss"] = e * (f * route.probs.mean(dim=0)).sum()
+    if cfg.seq_aux_loss_coeff > 0:
+        per_seq = torch.zeros(b, e, device=loads.device).scatter_add_(
+            1, route.experts.view(b, t * k), torch.ones(b, t * k, device=loads.device))
+        f = per_seq * e / (k * t)
+        out["seq_aux_loss"] = (f * route.probs.view(b, t, e).mean(dim=1)).sum(dim=-1).mean()
+    if cfg.z_loss_coeff > 0:
+        out["z_loss"] = torch.logsumexp(route.logits, dim=-1).square().mean()
+    return out
+
+
+def update_expert_bias(bias: torch.Tensor, loads: torch.Tensor, rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): move each expert's bias by
+    ``rate`` up when it took fewer than the mean of ``loads`` (one step's
+    tokens per expert, summed over the data-parallel ranks), down when more.
+    The update is centred so the bias keeps mean zero (choices depend only
+    on differences between experts)."""
+    with torch.no_grad():
+        delta = rate * torch.sign(loads.mean() - loads.float())
+        bias.add_(delta - delta.mean())
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards of a model (or pipeline stage), in module order."""
+    return [m for m in module.modules() if isinstance(m, MoE)]

@@ -1,0 +1,301 @@
+"""The MoE layer: routers against transformers' own blocks, both expert paths
+against a dense reference, capacity dropping, balance losses, the config's
+checks and the MoE model's parameters, init and checkpointed bias."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from giantmodel.config import ConfigError, load_config
+from giantmodel.config.model import ModelConfig
+from giantmodel.config.moe import MoEConfig
+from giantmodel.core import compat
+from giantmodel.models.common.moe import (
+    STAT_DROPPED,
+    STAT_FORWARDS,
+    MoE,
+    Router,
+    balance_losses,
+    moe_layers,
+    update_expert_bias,
+)
+from giantmodel.models.registry import build_model, count_params, init_weights
+
+H, F = 16, 24
+
+
+def _moe(seed=0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, **kw})
+    m = MoE(H, F, cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    m.init_buffers()
+    return m
+
+
+def _dense_reference(m: MoE, x: torch.Tensor, keep=None) -> torch.Tensor:
+    """Every expert on every token, weighted by a dense [N, E] routing matrix."""
+    flat = x.reshape(-1, H)
+    route = m.router(flat)
+    weights = route.weights if keep is None else route.weights * keep
+    dense = torch.zeros(flat.shape[0], m.cfg.num_experts).scatter_add_(1, route.experts, weights)
+    e = m.experts
+    every = torch.stack([(nn.functional.silu(flat @ e.w1[i]) * (flat @ e.w3[i])) @ e.w2[i]
+                         for i in range(m.cfg.num_experts)], dim=1)          # [N, E, H]
+    out = (dense.unsqueeze(-1) * every).sum(1)
+    if m.shared_experts is not None:
+        shared = m.shared_experts(flat)
+        if m.shared_experts_gate is not None:
+            shared = torch.sigmoid(m.shared_experts_gate(flat)) * shared
+        out = out + shared
+    return out.view_as(x)
+
+
+def _grads(m: MoE, x: torch.Tensor, fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    m.zero_grad()
+    x = x.clone().requires_grad_(True)
+    out = fn(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), [x.grad] + [p.grad.clone() for p in m.parameters()]
+
+
+IMPLS = ["loop"] + (["grouped_mm"] if compat.has("grouped_mm") else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_paths_equal_the_dense_reference_with_gradients(impl):
+    for kw in ({}, {"router": "sigmoid", "n_group": 4, "topk_group": 2, "num_shared_experts": 2,
+                    "routed_scaling_factor": 2.5, "top_k": 3},
+               {"norm_topk_prob": False, "num_shared_experts": 1, "shared_expert_gate": True}):
+        m = _moe(experts_impl=impl, **kw)
+        if m.router.expert_bias is not None:
+            m.router.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+        x = torch.randn(3, 5, H)
+        out, grads = _grads(m, x, m)
+        ref, ref_grads = _grads(m, x, lambda t, m=m: _dense_reference(m, t))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not compat.has("grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_path_in_bf16_pads_groups_and_matches_the_loop():
+    """bf16 groups start at multiples of 8 rows: the padded buffer must not
+    change the result (and its rows past the groups stay finite)."""
+    m = _moe(experts_impl="grouped_mm", capacity_factor=0.5)
+    x = torch.randn(2, 13, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _grads(m, x, m)
+        m.experts.impl = "loop"
+        ref, ref_grads = _grads(m, x, m)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+
+
+def test_capacity_drops_the_lowest_weighted_and_counts_them():
+    m = _moe(capacity_factor=0.5)
+    m.train()
+    x = torch.randn(4, 8, H)
+    out = m(x)
+    n, k, e = 32, 2, 8
+    capacity = math.ceil(0.5 * n * k / e)
+    route = m.router(x.reshape(-1, H))
+    # reference keep mask: per expert, the `capacity` highest weights
+    keep = torch.zeros(n, k, dtype=torch.bool)
+    for i in range(e):
+        tok, slot = torch.where(route.experts == i)
+        best = route.weights[tok, slot].argsort(descending=True)[:capacity]
+        keep[tok[best], slot[best]] = True
+    torch.testing.assert_close(out, _dense_reference(m, x, keep), rtol=1e-5, atol=1e-5)
+    dropped = int((~keep).sum())
+    assert dropped > 0
+    assert m.stats[e + STAT_DROPPED] == dropped and m.stats[e + STAT_FORWARDS] == 1
+    assert m.stats[:e].sum() == n * k  # loads count what the router chose, dropped or not
+    m.eval()
+    m(x)
+    assert m.stats[e + STAT_FORWARDS] == 1  # evaluation records nothing
+
+
+def _hf_experts_into(ours, gate_up, down):
+    i = gate_up.shape[1] // 2
+    with torch.no_grad():
+        ours.w1.copy_(gate_up[:, :i].transpose(1, 2))
+        ours.w3.copy_(gate_up[:, i:].transpose(1, 2))
+        ours.w2.copy_(down.transpose(1, 2))
+
+
+def _hf_mlp_into(ours, mlp):
+    with torch.no_grad():
+        ours.w1.weight.copy_(mlp.gate_proj.weight)
+        ours.w3.weight.copy_(mlp.up_proj.weight)
+        ours.w2.weight.copy_(mlp.down_proj.weight)
+
+
+def _randomise(module):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+
+
+def test_blocks_match_transformers_mixtral_qwen_and_deepseek():
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    x = torch.randn(2, 7, H)
+    common = dict(hidden_size=H, num_experts_per_tok=3, hidden_act="silu")
+    cases = [
+        (MixtralSparseMoeBlock(MixtralConfig(num_local_experts=8, intermediate_size=F, **common)),
+         MoEConfig(num_experts=8, top_k=3)),
+        (Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(num_experts=8, moe_intermediate_size=F,
+                                               norm_topk_prob=False, **common)),
+         MoEConfig(num_experts=8, top_k=3, norm_topk_prob=False)),
+        (Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(num_experts=8, moe_intermediate_size=F,
+                                               shared_expert_intermediate_size=2 * F,
+                                               norm_topk_prob=True, **common)),
+         MoEConfig(num_experts=8, top_k=3, num_shared_experts=1,
+                   shared_expert_ffn_hidden_size=2 * F, shared_expert_gate=True)),
+        (DeepseekV3MoE(DeepseekV3Config(n_routed_experts=8, moe_intermediate_size=F, n_group=4,
+                                        topk_group=2, n_shared_experts=2, norm_topk_prob=True,
+                                        routed_scaling_factor=2.5, **common)),
+         MoEConfig(num_experts=8, top_k=3, router="sigmoid", n_group=4, topk_group=2,
+                   num_shared_experts=2, routed_scaling_factor=2.5)),
+    ]
+    for hf, cfg in cases:
+        _randomise(hf)
+        ours = MoE(H, F, cfg)
+        ours.init_buffers()
+        with torch.no_grad():
+            ours.router.gate.weight.copy_(hf.gate.weight)
+        if hasattr(hf.gate, "e_score_correction_bias"):
+            hf.gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))  # non-zero bias
+            ours.set_expert_bias(hf.gate.e_score_correction_bias)
+        _hf_experts_into(ours.experts, hf.experts.gate_up_proj, hf.experts.down_proj)
+        shared = getattr(hf, "shared_experts", None) or getattr(hf, "shared_expert", None)
+        if shared is not None:
+            _hf_mlp_into(ours.shared_experts, shared)
+        if hasattr(hf, "shared_expert_gate"):
+            with torch.no_grad():
+                ours.shared_experts_gate.weight.copy_(hf.shared_expert_gate.weight)
+        hf.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), hf(x.clone()), rtol=1e-5, atol=1e-5,
+                                       msg=type(hf).__name__)
+
+
+def test_router_runs_in_fp32_under_bf16_autocast():
+    r = Router(H, MoEConfig(num_experts=8, top_k=2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        route = r(torch.randn(6, H))
+    assert route.logits.dtype == route.weights.dtype == route.probs.dtype == torch.float32
+
+
+def test_balance_losses_against_their_definitions_and_transformers():
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    cfg = MoEConfig(num_experts=8, top_k=2, aux_loss_coeff=1.0, seq_aux_loss_coeff=1.0,
+                    z_loss_coeff=1.0)
+    r = Router(H, cfg)
+    b, t = 3, 10
+    route = r(torch.randn(b * t, H))
+    loads = torch.bincount(route.experts.reshape(-1), minlength=8).float()
+    raw = balance_losses(route, loads, b, t, cfg)
+    # transformers sums f over the k choices: k times the Switch/Megatron normalisation
+    hf = load_balancing_loss_func((route.logits,), 8, 2)
+    torch.testing.assert_close(raw["aux_loss"] * 2, hf)
+    seq = []
+    for s in range(b):
+        ex = route.experts.view(b, t, 2)[s]
+        f = torch.bincount(ex.reshape(-1), minlength=8).float() * 8 / (2 * t)
+        seq.append((f * route.probs.view(b, t, 8)[s].mean(0)).sum())
+    torch.testing.assert_close(raw["seq_aux_loss"], torch.stack(seq).mean())
+    torch.testing.assert_close(raw["z_loss"], (route.logits.logsumexp(-1) ** 2).mean())
+    # perfectly balanced routing and uniform probabilities give exactly 1
+    uniform = type(route)(route.weights, torch.arange(b * t * 2).view(-1, 2) % 8,
+                          torch.full((b * t, 8), 1 / 8), route.logits)
+    even = balance_losses(uniform, torch.full((8,), b * t * 2 / 8), b, t, cfg)
+    torch.testing.assert_close(even["aux_loss"], torch.tensor(1.0))
+
+
+def test_aux_loss_is_stored_weighted_and_taken_once():
+    m = _moe(aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    m.train()
+    m(torch.randn(2, 6, H))
+    aux = m.take_aux_loss()
+    raw_aux, raw_z = m.stats[8 + 1], m.stats[8 + 3]
+    torch.testing.assert_close(aux.detach(), 0.01 * raw_aux + 0.001 * raw_z)
+    assert aux.requires_grad and m.take_aux_loss() is None
+
+
+def test_bias_update_moves_towards_balance_and_keeps_mean_zero():
+    bias = torch.zeros(4)
+    update_expert_bias(bias, torch.tensor([10.0, 2.0, 4.0, 4.0]), 0.1)
+    # over-loaded expert 0 goes down, under-loaded expert 1 up, the mean stays 0
+    assert bias[0] < 0 < bias[1] and abs(float(bias.sum())) < 1e-6
+
+
+def test_config_checks_fail_in_one_line():
+    base = ["model.moe={}"]
+    for override, key, words in (
+            (["model.moe.top_k=9"], "model.moe.top_k", "above num_experts"),
+            (["model.moe.n_group=3"], "model.moe.n_group", "does not divide"),
+            (["model.moe.first_k_dense=4"], "model.moe", "no MoE layer"),
+            (["model.moe.dense_layers=[7]"], "model.moe.dense_layers[0]", "not in 0..3"),
+            (["model.arch=gpt", "model.num_kv_heads=null"], "model.moe", "need arch llama")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, base + override)
+        assert e.value.key == key and words in str(e.value) and "\n" not in str(e.value)
+
+
+def _model_cfg(**moe) -> ModelConfig:
+    return ModelConfig(hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2,
+                       ffn_hidden_size=64, vocab_size=64, max_seq_len=16,
+                       moe=MoEConfig(**{"num_experts": 4, "top_k": 2, **moe}))
+
+
+def test_dense_and_moe_layers_mix_and_parameters_are_counted():
+    for moe, sparse in (({"first_k_dense": 1}, [1, 2, 3, 4, 5]),             # DeepSeek-V3
+                        ({"dense_layers": [2], "sparse_step": 2}, [1, 3, 5]),  # Qwen3-MoE
+                        ({"num_shared_experts": 2, "shared_expert_gate": True,
+                          "expert_ffn_hidden_size": 16}, list(range(6)))):
+        cfg = _model_cfg(**moe)
+        cfg.validate()
+        model = build_model(cfg, device="cpu")
+        got = [int(name) for name, b in model.layers.items() if isinstance(b.feed_forward, MoE)]
+        assert got == sparse == cfg.moe.sparse_layers(6)
+        assert count_params(model) == cfg.num_params()
+
+
+def test_meta_init_zeroes_the_bias_and_dcp_saves_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from giantmodel.checkpoint.state import ModelState
+
+    cfg = _model_cfg(router="sigmoid", bias_update_rate=0.01)
+    model = init_weights(build_model(cfg), cfg, seed=1)
+    layers = moe_layers(model)
+    assert len(layers) == 6 and all(float(m.router.expert_bias.abs().sum()) == 0 for m in layers)
+    w2 = layers[0].experts.w2
+    assert abs(float(w2.detach().std()) - cfg.init_std / math.sqrt(12)) < 0.3 * cfg.init_std / math.sqrt(12)
+    layers[0].router.expert_bias.copy_(torch.arange(4.0))
+    state = {"model": ModelState(model)}
+    assert "layers.0.feed_forward.router.expert_bias" in state["model"].state_dict()
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    fresh = build_model(cfg)
+    fresh.to_empty(device="cpu")
+    dcp.load({"model": ModelState(fresh)}, checkpoint_id=str(tmp_path))
+    for module in fresh.modules():  # what every loader does after loading weights
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(device="cpu")
+    assert torch.equal(moe_layers(fresh)[0].router.expert_bias, torch.arange(4.0))
