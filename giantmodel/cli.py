@@ -179,9 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``, taking KEY=VALUE overrides wherever they stand: argparse
+    gives a positional list only its first run of words, so overrides after an
+    option (``estimate a=1 --gpu h100-sxm b=2``) come back as extras. (Its
+    ``parse_intermixed_args`` would do this, but refuses subcommands.)"""
+    args, extra = parser.parse_known_args(argv)
+    overrides = getattr(args, "overrides", None)
+    stray = [e for e in extra if overrides is None or e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(overrides) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, UserInputError) as e:

@@ -129,6 +129,7 @@ def test_train_then_generate_from_the_run(tmp_path, capsys):
     assert capsys.readouterr().out.strip().startswith("def")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_nproc_per_node_spawns_ranks_that_match_one_process(tmp_path):
     """`giantmodel train --nproc-per-node 2` runs dp=2 through torch's elastic
@@ -147,3 +148,26 @@ def test_nproc_per_node_spawns_ranks_that_match_one_process(tmp_path):
     lb = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert len(la) == len(lb) == 3
     assert lb == pytest.approx(la, rel=1e-5)
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["estimate", "a.b=1", "--gpu", "h100-sxm", "--nodes", "1", "c.d=2"], ["a.b=1", "c.d=2"]),
+    (["estimate", "--gpu", "h100-sxm", "a.b=1", "--nodes", "1", "c.d=2"], ["a.b=1", "c.d=2"]),
+    (["plan", "a.b=1", "--gpu", "h100-sxm", "c.d=2", "--nodes", "2", "e.f=3"],
+     ["a.b=1", "c.d=2", "e.f=3"]),
+    (["train", "a.b=1", "--config", "x.yaml", "c.d=2"], ["a.b=1", "c.d=2"]),
+])
+def test_overrides_are_taken_wherever_they_stand(argv, want):
+    from giantmodel.cli import build_parser, parse_args
+
+    assert parse_args(build_parser(), argv).overrides == want
+
+
+def test_a_stray_word_is_still_an_error(capsys):
+    from giantmodel.cli import build_parser, parse_args
+
+    for argv in (["estimate", "--gpu", "h100-sxm", "--bogus"], ["version", "a.b=1"],
+                 ["estimate", "a.b=1", "--gpu", "h100-sxm", "c.d=2", "--bogus"]):
+        with pytest.raises(SystemExit):
+            parse_args(build_parser(), argv)
+        assert "unrecognized arguments" in capsys.readouterr().err

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from functools import cache
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +71,18 @@ def _cpuinfo() -> tuple[set[str], str, float]:
     return flags, vendor, mhz
 
 
-def usable_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
-    """Physical cores this process may run on: the CPUs of its affinity mask
-    (taskset, cgroups, Slurm), counting SMT siblings of one core once, since
+def usable_cores(sysfs: str = "/sys/devices/system/cpu",
+                 cpus: frozenset[int] | None = None) -> int:
+    """Physical cores among ``cpus`` (default: this process's affinity mask:
+    taskset, cgroups, Slurm), counting SMT siblings of one core once, since
     they share its vector units."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    if cpus is None:
+        try:
+            cpus = frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return os.cpu_count() or 1
     cores = set()
-    for cpu in cpus:
+    for cpu in sorted(cpus):
         topo = f"{sysfs}/cpu{cpu}/topology"
         try:
             with open(f"{topo}/core_id") as f:
@@ -92,9 +96,9 @@ def usable_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
 
 
 @cache
-def cpu_peak_flops() -> float:
-    """Theoretical fp32 FLOP/s of the cores this process may use: physical
-    cores x clock x FLOPs per cycle.
+def cpu_peak_flops(cpus: frozenset[int] | None = None) -> float:
+    """Theoretical fp32 FLOP/s of ``cpus`` (default: the cores this process
+    may use): physical cores x clock x FLOPs per cycle.
 
     FLOPs per cycle from the vector ISA: two 512-bit FMA pipes on Intel
     AVX-512 parts (64), two 256-bit FMA pipes on AVX2+FMA parts and on AMD
@@ -106,7 +110,7 @@ def cpu_peak_flops() -> float:
         per_cycle = 32
     else:
         per_cycle = 16
-    return usable_cores() * (mhz or 2000.0) * 1e6 * per_cycle
+    return usable_cores(cpus=cpus) * (mhz or 2000.0) * 1e6 * per_cycle
 
 
 def gpu_peak_tflops(name: str, precision: str) -> float | None:
@@ -147,3 +151,31 @@ def peak_flops(device: torch.device, precision: str) -> float:
         return peak * 1e12
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return cpu_peak_flops() / max(1, local_ranks)
+
+
+def job_peak_flops(device: torch.device, precision: str) -> float:
+    """Peak FLOP/s of the whole job, the denominator of its MFU (collective
+    when a process group exists: every rank must call it).
+
+    GPU ranks each own a device, so the job's peak is the world's devices.
+    CPU ranks on one host share its cores, and each may be pinned to its own
+    share of them (``train.bind_cores``, ``srun --cpu-bind``) or not at all:
+    no rank alone knows what the host gives the job. So each rank reports its
+    host and the CPUs of its mask, and the job's peak is, per host, the peak of
+    the union of its ranks' CPUs. (Dividing one rank's mask by the ranks per
+    host counted a pinned rank's share twice: MFU 138-165% at dp2.)"""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if device.type != "cpu" or os.environ.get("GIANTMODEL_PEAK_TFLOPS"):
+        return peak_flops(device, precision) * world
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = list(range(os.cpu_count() or 1))
+    entries = [(socket.gethostname(), mine)]
+    if world > 1:
+        entries = [None] * world
+        dist.all_gather_object(entries, (socket.gethostname(), mine))
+    hosts: dict[str, set[int]] = {}
+    for host, cpus in entries:
+        hosts.setdefault(host, set()).update(cpus)
+    return sum(cpu_peak_flops(frozenset(cpus)) for cpus in hosts.values())

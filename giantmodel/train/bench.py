@@ -17,7 +17,7 @@ import time
 import torch
 
 from giantmodel.config import JobConfig, load_config
-from giantmodel.metrics.flops import peak_flops
+from giantmodel.metrics.flops import job_peak_flops
 from giantmodel.train.trainer import Trainer
 
 
@@ -57,7 +57,8 @@ def measure(cfg: JobConfig, warmup: int, steps: int) -> dict:
         rate = per_step / dt
         world = trainer.info.world_size
         flops = trainer.objective.flops_per_unit() * rate / world
-        peak = peak_flops(trainer.device, cfg.precision)
+        # per device: the job's model FLOP/s over the job's peak, shared evenly
+        peak = job_peak_flops(trainer.device, cfg.precision) / world
         return {"model": cfg.model.name, "world_size": world, "device": trainer.device.type,
                 "precision": cfg.precision, "seq_len": t.seq_len,
                 "global_batch_size": t.global_batch_size, "step_time_s": dt, "unit": unit,

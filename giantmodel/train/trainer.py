@@ -39,11 +39,12 @@ from giantmodel.distributed.init import (
 )
 from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.distributed.placement import resolve_placement
-from giantmodel.metrics.flops import peak_flops
+from giantmodel.metrics.flops import job_peak_flops
 from giantmodel.metrics.logger import MetricsLogger, format_memory, peak_memory
 from giantmodel.objectives import build_objective
 from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
+from giantmodel.train.moe_stats import MoEStepStats
 from giantmodel.train.watchdog import HangWatch
 
 log = logging.getLogger("giantmodel")
@@ -120,6 +121,7 @@ class Trainer:
         self.bucket_mb = self._bucket_mb()
         self.engine = build_engine(cfg, self.objective, self.dims, self.device, self.bucket_mb)
         self.optimizer = self.engine.build_optimizer(cfg.optim)
+        self.moe_stats = MoEStepStats(self.engine.parts, self.dims.group_or_none("dp_cp"))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.precision = Precision(cfg.precision, self.device.type)
         self.state = TrainerState(self.precision)
@@ -225,12 +227,14 @@ class Trainer:
             self.engine.optimizer_step(self.optimizer)
             self.objective.after_step()
             self._recent_losses.append(loss)
+        # MoE layers: loads summed over dp, bias update (applied steps only), metrics
+        moe = self.moe_stats.finish_step(update=not skipped)
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += self.objective.step_units()[1]
         self._count_skip(skipped)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": bool(skipped)}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": bool(skipped), **moe}
 
     def _skip_reason(self, overflow: bool, loss: float, grad_norm: float) -> str:
         """Why this step's update must not be applied ("" = apply it); the
@@ -286,7 +290,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         unit, units_per_step = self.objective.step_units()
         flops_per_unit = self.objective.flops_per_unit()
-        peak = peak_flops(self.device, cfg.precision) * self.info.world_size
+        peak = job_peak_flops(self.device, cfg.precision)
         old_handler = signal.signal(signal.SIGTERM, self._request_stop)
         self._print(f"giantmodel: {self.objective.model_name()} "
                     f"({self.objective.num_params() / 1e6:.1f}M params) "
@@ -316,6 +320,7 @@ class Trainer:
                         record["loss_scale"] = self.precision.scale
                     if out["skipped"]:
                         record["skipped"] = True
+                    record.update({k: v for k, v in out.items() if k.startswith("moe_")})
                     self.metrics.log(record)
                     mem = format_memory(record)
                     self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s{mem}")
