@@ -33,6 +33,21 @@ TINY = {
     "gpt": ["model.arch=gpt", "model.hidden_size=64", "model.num_layers=4",
             "model.num_heads=4", "model.num_kv_heads=null", "model.ffn_hidden_size=256",
             "model.vocab_size=256", "model.max_seq_len=64"],
+    # Qwen3: qk-norm and a head_dim that is not hidden / heads
+    "qwen3": ["model.arch=llama", "model.family=qwen3", "model.hidden_size=64",
+              "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+              "model.head_dim=24", "model.qk_norm=true", "model.ffn_hidden_size=128",
+              "model.vocab_size=256", "model.max_seq_len=64"],
+    # Qwen2: biases on q, k and v only, tied embeddings
+    "qwen2": ["model.arch=llama", "model.family=qwen2", "model.hidden_size=64",
+              "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+              "model.qkv_bias=true", "model.tie_embeddings=true", "model.ffn_hidden_size=128",
+              "model.vocab_size=256", "model.max_seq_len=64"],
+    # Mistral: a sliding window shorter than train.seq_len (16)
+    "mistral": ["model.arch=llama", "model.family=mistral", "model.hidden_size=64",
+                "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+                "model.sliding_window=6", "model.ffn_hidden_size=128", "model.vocab_size=256",
+                "model.max_seq_len=64"],
 }
 TRAIN = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2",
          "train.steps=5", "optim.lr=0.001", "optim.eps=1e-6", "optim.warmup_steps=0",

@@ -16,6 +16,10 @@ HF -> giantmodel: SRC is a HF directory; DST becomes a run directory holding
 ``config.yaml`` (the model section) and ``checkpoints/step-00000000``, usable
 as ``checkpoint.init_from`` or by ``giantmodel generate``.
 
+Both directions go through the model family (:mod:`giantmodel.models.families`):
+``config.json``'s ``model_type`` on the way in (recorded as ``model.family``),
+``model.family`` on the way out.
+
 Stable Diffusion run -> diffusers (``--to diffusers``, the default for a
 diffusion run): DST becomes a pipeline directory that
 ``diffusers.StableDiffusionPipeline.from_pretrained`` loads, with the UNet's
@@ -44,6 +48,8 @@ from giantmodel.checkpoint.weights import (
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.loader import to_dict
 from giantmodel.config.train import CheckpointConfig
+from giantmodel.models.families import family_of
+from giantmodel.models.families.llama import LAYER as LLAMA_LAYER
 from giantmodel.models.hf import from_hf, plain_state, save_hf
 from giantmodel.models.lora import merge_lora_state, save_peft_adapter
 
@@ -101,9 +107,10 @@ def to_peft_dir(src: str | Path, dst: str | Path, step: int | None = None,
     lora = read_lora_settings(step_dir)
     if lora is None:
         raise UserInputError(f"--to peft: {step_dir} was not trained with objective: lora")
-    if read_model_config(step_dir).arch != "llama":
-        raise UserInputError("--to peft writes LLaMA adapters; for other models use "
-                             "--to hf --merge-lora")
+    family = family_of(read_model_config(step_dir))
+    if not LLAMA_LAYER.items() <= family.names.layer.items():
+        raise UserInputError(f"--to peft writes adapters of the llama layer layout (llama, qwen2, "
+                             f"qwen3, mistral), not {family.name}; use --to hf --merge-lora")
     settings, base = lora
     state = plain_state(load_model_from_checkpoint(step_dir))
     save_peft_adapter(state, dst, targets=settings.targets, rank=settings.rank,

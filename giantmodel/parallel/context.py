@@ -25,6 +25,10 @@ path, not gloo's concurrency, is what the fix removes.
 flash/efficient SDPA kernels, so this module implements the all-gather form
 directly; it runs on gloo and NCCL alike, and on the CPU through the CPU
 flash kernel. Attention dropout keeps the older masked call.
+
+A sliding window (Mistral) restricts each chunk to the keys from its first
+query's window on: chunks wholly outside are never read, and the rest run
+:func:`giantmodel.models.common.masks.sliding_attention` (no T x T mask).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from giantmodel.models.common.masks import sliding_attention
 
 
 def balanced_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -96,6 +102,7 @@ class ContextParallelSDPA(nn.Module):
     def __init__(self, inner: nn.Module, cp_mesh):
         super().__init__()
         self.dropout = getattr(inner, "dropout", 0.0)
+        self.window = getattr(inner, "window", None)
         self.cp_mesh = cp_mesh
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,15 @@ class ContextParallelSDPA(nn.Module):
         outs = []
         for i, index in enumerate((rank, 2 * cp - 1 - rank)):
             end = (index + 1) * chunk
-            outs.append(self._attend(q[:, :, i * chunk:(i + 1) * chunk], k_all[:, :, :end],
-                                     v_all[:, :, :end]))
+            q_i = q[:, :, i * chunk:(i + 1) * chunk]
+            if self.window is not None and end > self.window:
+                # A sliding window: only the keys from the chunk's first
+                # query's window on are visible, whatever chunks lie before.
+                start = max(0, index * chunk - self.window + 1)
+                outs.append(sliding_attention(q_i, k_all[:, :, start:end], v_all[:, :, start:end],
+                                              self.window, self.dropout if self.training else 0.0))
+                continue
+            outs.append(self._attend(q_i, k_all[:, :, :end], v_all[:, :, :end]))
         return torch.cat(outs, dim=2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

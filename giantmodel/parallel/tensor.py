@@ -3,7 +3,9 @@
 Megatron's split, expressed with ``parallelize_module``:
 
 * attention: ``wq/wk/wv`` column-parallel (each tp rank gets whole query *and*
-  key/value heads, so GQA's kv heads are sharded too), ``wo`` row-parallel;
+  key/value heads, so GQA's kv heads are sharded too; their biases shard with
+  their columns), ``wo`` row-parallel (its bias replicated); qk-norm runs on
+  each rank's heads with its weight replicated (:func:`_qk_norm_plan`);
 * MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel;
 * token embedding row-parallel over the vocabulary (vocab-parallel embedding);
 * output head column-parallel with logits left as ``Shard(-1)`` DTensors: the
@@ -66,6 +68,19 @@ def _block_plan(sp: bool, rope: bool) -> dict:
     return plan
 
 
+def _qk_norm_plan(block: nn.Module) -> dict:
+    """qk-norm (Qwen3): q and k arrive as [B, T, local heads, D] local shards
+    of the column-parallel projections. The norm runs on them as DTensors
+    sharded along the heads (dim 2) with its [D] weight replicated, so each
+    rank normalises its own heads and the weight's gradient, a sum over all
+    heads, is reduced across the tp group."""
+    attention = getattr(block, "attention", None)
+    if attention is None or not hasattr(attention, "q_norm"):
+        return {}
+    return {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for n in ("q_norm", "k_norm")}
+
+
 StyleFor = Callable[[nn.Module, ParallelStyle], ParallelStyle]
 """``style_for(module, style)``: the style to apply to a block's ``module``
 where the plan says ``style`` (a model that swapped a linear for another
@@ -97,6 +112,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
         plan = _block_plan(sp, rope=getattr(model, "uses_rope", True))
         if hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
+        plan.update(_qk_norm_plan(block))
         if style_for is not None:
             plan = {path: style_for(block.get_submodule(path), style)
                     for path, style in plan.items()}
