@@ -262,3 +262,31 @@ def test_qwen_tokenizer_and_chat_template(tmp_path):
     # the special tokens are single ids, as in the HF tokenizer
     assert len(loaded.encode("<|im_start|>user")) >= 2
     assert loaded.encode("<|im_start|>")[0] == 1
+
+
+RECIPES = {"qwen2.5-7b-lora": "qwen2", "qwen3-8b-sft": "qwen3", "mistral-7b-lora": "mistral",
+           "tiny-qwen2-lora": "qwen2", "tiny-qwen3-sft": "qwen3", "tiny-mistral-lora": "mistral"}
+
+
+def test_recipes_load_and_tiny_models_match_their_sections(tmp_path):
+    """Every family recipe validates; each tiny one's model section is exactly
+    what giantmodel reads from its built-in model's config.json, and the
+    built-in is built in HF format on first use (no downloads)."""
+    from pathlib import Path
+
+    from giantmodel.config import load_config
+    from giantmodel.data.sft_builtin import TINY_CHAT_MODEL, TINY_FAMILIES, ensure_tiny_chat_model
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "finetune"
+    for name, family in RECIPES.items():
+        cfg = load_config(root / f"{name}.yaml")
+        assert cfg.model.family == family, name
+        if name.startswith("tiny-"):
+            which = cfg.checkpoint.init_from.removeprefix("builtin:")
+            hf = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                  **TINY_CHAT_MODEL, **TINY_FAMILIES[which]}
+            assert hf_config_to_model_config(hf, name=which) == cfg.model, name
+    built = ensure_tiny_chat_model(tmp_path, "tiny-mistral")
+    assert json.loads((built / "config.json").read_text())["sliding_window"] == 128
+    model = from_hf(built)
+    assert model.cfg.sliding_window == 128 and (built / "tokenizer.json").is_file()

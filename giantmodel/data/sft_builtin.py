@@ -42,6 +42,20 @@ TINY_CHAT_MODEL = {
 """Shape of the tiny chat model (its ``config.json`` fields); the tokenizer
 is trained to exactly ``vocab_size`` tokens."""
 
+TINY_FAMILIES = {
+    TINY_CHAT: {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "tie_word_embeddings": False},
+    "tiny-qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                   "tie_word_embeddings": True},
+    "tiny-qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                   "head_dim": 48, "tie_word_embeddings": True},
+    "tiny-mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                     "sliding_window": 128, "tie_word_embeddings": False},
+}
+"""Built-in tiny models (``builtin:NAME``): the tiny chat model's shape, tokenizer
+and data in each family's own ``config.json`` (Qwen2's q/k/v biases, Qwen3's
+qk-norm and wider heads, Mistral's sliding window)."""
+
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ---------------------------------------------------------------- task families
@@ -211,15 +225,14 @@ def _train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
         "chat_template": BUILTIN_TEMPLATES["chatml"]}, indent=1))
 
 
-def _build_tiny_chat(out: Path) -> None:
+def _build_tiny_chat(out: Path, which: str = TINY_CHAT) -> None:
     train, _ = tiny_instructions()
     chatml = ChatTemplate(BUILTIN_TEMPLATES["chatml"], "chatml", "", "<|im_end|>")
     texts = [chatml.render(to_messages(rec, "auto", "bundled")).text for rec in train]
     _train_tokenizer(texts, TINY_CHAT_MODEL["vocab_size"], out)
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-          **TINY_CHAT_MODEL}
-    cfg = hf_config_to_model_config(hf, name=TINY_CHAT)
+    hf = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          **TINY_CHAT_MODEL, **TINY_FAMILIES[which]}
+    cfg = hf_config_to_model_config(hf, name=which)
     model = init_weights(build_model(cfg), cfg, seed=0)
     save_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg, out,
             dtype=torch.float32)
@@ -229,22 +242,23 @@ def _build_tiny_chat(out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
 
-def ensure_tiny_chat_model(cache_dir: str | os.PathLike) -> Path:
-    """The tiny chat model's HF directory, built on first use (safe when
-    several ranks ask at once: one builds under a lock, the others wait)."""
+def ensure_tiny_chat_model(cache_dir: str | os.PathLike, which: str = TINY_CHAT) -> Path:
+    """The HF directory of the tiny model ``which`` (a key of TINY_FAMILIES),
+    built on first use (safe when several ranks ask at once: one builds
+    under a lock, the others wait)."""
     cache = Path(cache_dir).expanduser()
-    final = cache / f"{TINY_CHAT}-v{_RECIPE_VERSION}"
+    final = cache / f"{which}-v{_RECIPE_VERSION}"
     if (final / "config.json").is_file():
         return final
     cache.mkdir(parents=True, exist_ok=True)
-    with file_lock(cache / f"{TINY_CHAT}.lock"):
+    with file_lock(cache / f"{which}.lock"):
         if (final / "config.json").is_file():
             return final
-        tmp = cache / f".{TINY_CHAT}.tmp{os.getpid()}"
+        tmp = cache / f".{which}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            _build_tiny_chat(tmp)
+            _build_tiny_chat(tmp, which)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -253,12 +267,14 @@ def ensure_tiny_chat_model(cache_dir: str | os.PathLike) -> Path:
 
 
 def resolve_model_dir(name: str, data_cfg) -> Path:
-    """A pretrained-weights setting as a directory: ``builtin:tiny-chat`` is
-    built on first use in the data cache; anything else is a path."""
+    """A pretrained-weights setting as a directory: ``builtin:tiny-chat`` (or
+    another of TINY_FAMILIES) is built on first use in the data cache;
+    anything else is a path."""
     if name.startswith(BUILTIN_PREFIX):
         which = name[len(BUILTIN_PREFIX):]
-        if which != TINY_CHAT:
-            raise ConfigError(f"unknown built-in model {name!r}; the built-in is "
-                              f"{BUILTIN_PREFIX}{TINY_CHAT}", key="checkpoint.init_from")
-        return ensure_tiny_chat_model(data_cfg.resolved_cache_dir())
+        if which not in TINY_FAMILIES:
+            known = ", ".join(BUILTIN_PREFIX + k for k in TINY_FAMILIES)
+            raise ConfigError(f"unknown built-in model {name!r}; the built-ins are {known}",
+                              key="checkpoint.init_from")
+        return ensure_tiny_chat_model(data_cfg.resolved_cache_dir(), which)
     return Path(name).expanduser()
