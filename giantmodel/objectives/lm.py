@@ -34,6 +34,7 @@ from giantmodel.data.chat import chat_reply
 from giantmodel.data.sft import prepare_sft, sft_template
 from giantmodel.metrics.flops import flops_per_token
 from giantmodel.models import build_model, init_weights
+from giantmodel.models.common.moe import MoE, moe_layers
 from giantmodel.models.generate import generate_text
 from giantmodel.models.registry import init_parameter
 from giantmodel.parallel.context import apply_context_parallel, balanced_positions, shard_sequence
@@ -61,6 +62,7 @@ class LanguageModel(BaseObjective):
         self._vocab_parallel = False
         self._cp_mesh = None
         self._loss_impl: str | None = None  # train.loss_impl, resolved at the first loss
+        self._moe: dict[int, list[MoE]] = {}  # each model part's MoE layers
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> LanguageModel:
@@ -83,6 +85,7 @@ class LanguageModel(BaseObjective):
         if cfg.parallel.pp > 1 and cfg.train.loss_impl not in ("auto", "plain"):
             log.warning("train.loss_impl=%s: pipeline stages compute the plain loss on the "
                         "last stage's logits", cfg.train.loss_impl)
+        check_moe_layout(cfg)
         return cls(cfg.model, data=cfg.data, train=cfg.train)
 
     # ------------------------------------------------------------ the model
@@ -144,11 +147,16 @@ class LanguageModel(BaseObjective):
         ids, labels, kwargs = self._local_inputs(batch, device)
         impl = self._head_loss_impl(module, device)
         if impl == "plain":
-            return vocab_parallel_cross_entropy(module(ids, **kwargs), labels)
-        # The head returns the loss sum: [tokens, vocab] logits never exist.
-        with head_computes_loss(module.output, labels, impl):
-            loss_sum = module(ids, **kwargs)
-        return loss_sum, (labels != IGNORE_INDEX).sum()
+            loss_sum, count = vocab_parallel_cross_entropy(module(ids, **kwargs), labels)
+        else:
+            # The head returns the loss sum: [tokens, vocab] logits never exist.
+            with head_computes_loss(module.output, labels, impl):
+                loss_sum = module(ids, **kwargs)
+            count = (labels != IGNORE_INDEX).sum()
+        if self.model_cfg.moe is not None:
+            layers = self._moe.setdefault(id(module), moe_layers(module))
+            loss_sum = with_aux_losses(loss_sum, count, layers)
+        return loss_sum, count
 
     def _head_loss_impl(self, module: nn.Module, device: torch.device) -> str:
         """``train.loss_impl`` for this model and layout (pipeline stages
@@ -214,6 +222,39 @@ class LanguageModel(BaseObjective):
                               max_new_tokens=t.sample_tokens, seed=t.seed)
         return generate_text(model, tokenizer, t.sample_prompt,
                              max_new_tokens=t.sample_tokens, seed=t.seed)
+
+
+def check_moe_layout(cfg: JobConfig) -> None:
+    """What MoE layers do not support yet, refused before any process group."""
+    moe = cfg.model.moe
+    if moe is None:
+        return
+    if cfg.parallel.tp > 1:
+        raise ConfigError("MoE layers have no tensor-parallel plan yet; set parallel.tp=1",
+                          "parallel.tp")
+    if cfg.parallel.pp > 1 and moe.aux_coeffs:
+        key = next(iter(moe.aux_coeffs))
+        raise ConfigError(
+            "MoE auxiliary losses are not added on pipeline stages yet; set parallel.pp=1, or "
+            "balance with model.moe.bias_update_rate alone", f"model.moe.{key}_coeff")
+
+
+def with_aux_losses(loss_sum: torch.Tensor, count: torch.Tensor,
+                    layers: list[MoE]) -> torch.Tensor:
+    """``loss_sum`` with the MoE layers' auxiliary losses of this forward
+    added to its gradient, its value unchanged (the logged loss stays the LM
+    loss; the auxiliary losses are logged on their own).
+
+    Each layer's auxiliary loss is a mean over this micro-batch's tokens. It
+    is weighted by ``count``, this micro-batch's share of the global token
+    count the engine divides every loss sum by: the step then minimises
+    coeff x the token-weighted mean over micro-batches and data-parallel
+    ranks, the same under any gradient accumulation or dp degree."""
+    terms = [aux for aux in (m.take_aux_loss() for m in layers) if aux is not None]
+    if not terms:
+        return loss_sum
+    weighted = torch.stack(terms).sum() * count
+    return loss_sum + (weighted - weighted.detach())
 
 
 def _device_of(module: nn.Module) -> torch.device:
