@@ -12,7 +12,14 @@ from giantmodel.config.lora import LoRAConfig
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.parallel import ParallelConfig
 from giantmodel.config.sd import SDConfig
-from giantmodel.config.train import CheckpointConfig, OffloadConfig, OptimConfig, RunConfig, TrainConfig
+from giantmodel.config.train import (
+    CheckpointConfig,
+    OffloadConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    validate_accelerations,
+)
 
 
 @dataclass
@@ -31,8 +38,8 @@ class JobConfig:
     """Steps, batch sizes, sequence length, logging and evaluation cadence."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and the learning-rate schedule."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision: fp32; bf16 autocast with fp32 master weights; fp16 autocast with dynamic loss scaling."""
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Compute precision: fp32; bf16 autocast with fp32 master weights; fp16 autocast with dynamic loss scaling; fp8: bf16 autocast with the blocks' linears in fp8 (Transformer Engine or torchao float8, train.fp8_recipe; a GPU of compute capability 8.9 or newer)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none; selective (keep matmul, attention and reduced outputs, recompute norms, casts, rotary, activations and gathers); full (whole blocks)."""
     recompute_layers: list[Literal["none", "selective", "full"]] | None = None
@@ -79,3 +86,4 @@ class JobConfig:
                 f"{self.model.num_layers}; give one mode per layer, or null to use recompute",
                 "recompute_layers")
         self.offload.validate()
+        validate_accelerations(self)

@@ -63,6 +63,16 @@ class TrainConfig:
     tf32: bool = True
     """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores
     (fp32 range, 10-bit mantissa, several times faster); false keeps IEEE fp32."""
+    fp8_recipe: Literal["auto", "delayed", "current", "tensorwise", "rowwise"] = "auto"
+    """precision=fp8 only: how the linears of each block are scaled to fp8.
+    delayed and current are Transformer Engine's recipes (scales from an amax
+    history, or from each tensor as it is cast); tensorwise and rowwise are
+    torchao float8's (one scale per tensor, with fp8 all-gathers under FSDP2;
+    or one per row, more accurate and slower); auto takes Transformer Engine's
+    current scaling when it is installed, else torchao tensorwise."""
+    norm_impl: Literal["torch", "apex"] = "torch"
+    """RMSNorm / LayerNorm kernels: torch's, or NVIDIA apex's fused CUDA
+    kernels (apex.normalization; needs apex built from github.com/NVIDIA/apex)."""
 
     def validate(self) -> None:
         for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every"):
@@ -104,8 +114,8 @@ class OptimConfig:
     """Adam epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    impl: Literal["auto", "fused", "foreach", "plain"] = "auto"
-    """AdamW kernel: fused (one kernel per tensor; CUDA and CPU), foreach (multi-tensor), or plain for-loop; auto picks fused on CUDA and CPU, foreach elsewhere."""
+    impl: Literal["auto", "fused", "foreach", "plain", "apex"] = "auto"
+    """AdamW kernel: fused (one kernel per tensor; CUDA and CPU), foreach (multi-tensor), plain for-loop, or apex (NVIDIA apex's FusedAdam in AdamW mode: CUDA, plain tensors only, so not with tp > 1 or zero 3); auto picks fused on CUDA and CPU, foreach elsewhere."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -174,3 +184,31 @@ class RunConfig:
     """Write TensorBoard events to run.dir/tb when tensorboard is installed."""
     progress: bool = True
     """Show a progress line with the ETA when stderr is a terminal."""
+
+
+def validate_accelerations(job) -> None:
+    """What precision=fp8, train.norm_impl=apex and optim.impl=apex need of
+    the rest of ``job`` (a JobConfig). What they need of the machine (a GPU,
+    the packages) is checked once the device is known, before any process
+    group: giantmodel.parallel.accel.plan_accelerations."""
+    train, par = job.train, job.parallel
+    if job.precision != "fp8" and train.fp8_recipe != "auto":
+        raise ConfigError(f"is set to {train.fp8_recipe!r}, but precision is {job.precision}, "
+                          "which ignores it; set precision=fp8 or remove train.fp8_recipe",
+                          "train.fp8_recipe")
+    if job.precision == "fp8":
+        if job.objective != "lm":
+            raise ConfigError(f"fp8 trains objective=lm only (this job is {job.objective}); "
+                              "use precision=bf16", "precision")
+        if par.tp > 1:
+            # The fp8 linears replace nn.Linear; the tensor-parallel plan
+            # shards nn.Linear weights as DTensors, which they do not take.
+            raise ConfigError(f"fp8 needs parallel.tp=1 (got {par.tp}); shard with "
+                              "parallel.zero=3 instead, or use precision=bf16", "precision")
+    if job.optim.impl == "apex" and (par.tp > 1 or par.zero == 3):
+        raise ConfigError("apex's FusedAdam takes plain tensors, and parallel.tp > 1 or "
+                          "parallel.zero=3 makes the parameters DTensors; use optim.impl=fused",
+                          "optim.impl")
+    if train.norm_impl == "apex" and par.tp > 1 and par.sp:
+        raise ConfigError("apex's fused norms take plain tensors, and parallel.sp makes the "
+                          "norm weights DTensors; use train.norm_impl=torch", "train.norm_impl")

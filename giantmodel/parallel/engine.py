@@ -32,6 +32,7 @@ from giantmodel.config.train import OffloadConfig, OptimConfig
 from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor, unique_params
+from giantmodel.parallel.accel import Accelerations
 from giantmodel.parallel.collectives import any_true, max_scalar
 from giantmodel.parallel.flat_buffer import MAX_PADDING, padding_and_first_bucket
 from giantmodel.parallel.fsdp import FSDP
@@ -96,7 +97,8 @@ class TrainEngine:
                  parallel: ParallelConfig, recompute: str, offload: OffloadConfig,
                  compile: bool, precision: str, bucket_mb: float,
                  recompute_layers: list[str] | None = None,
-                 strategy: DataParallelStrategy | None = None):
+                 strategy: DataParallelStrategy | None = None,
+                 accel: Accelerations | None = None):
         self.objective = objective
         self.dims = dims
         self.device = device
@@ -114,7 +116,7 @@ class TrainEngine:
             module = objective.build(spec)
             parallelize(module, objective, dims, pending or strategy, sp=parallel.sp,
                         recompute=recompute, recompute_layers=recompute_layers,
-                        offload=offload, compile=compile)
+                        offload=offload, compile=compile, accel=accel)
             self.parts.append(module)
         if pending is not None:
             bucket_bytes = int(bucket_mb * 2**20)
@@ -127,7 +129,9 @@ class TrainEngine:
                 pad = max_scalar(pad, dist.group.WORLD, device)
                 first = max_scalar(first, dist.group.WORLD, device)
             strategy = build_strategy(
-                dims, zero=parallel.zero, precision=precision, bucket_bytes=bucket_bytes,
+                # fp8 keeps bf16 around its fp8 linears: FSDP casts to bf16.
+                dims, zero=parallel.zero, precision="bf16" if precision == "fp8" else precision,
+                bucket_bytes=bucket_bytes,
                 keep_gathered_numel=parallel.keep_gathered_numel, padding=pad,
                 first_bucket=first, comm_overlaps=device.type == "cuda")
             pending.replay(strategy)

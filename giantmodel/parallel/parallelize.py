@@ -4,7 +4,8 @@
 device, and applies, in order:
 
 1. the objective's tensor/sequence-parallel plan (``parallel.tp``, ``parallel.sp``);
-2. its context-parallel attention (``parallel.cp``);
+2. its context-parallel attention (``parallel.cp``), then the optional
+   accelerations (fp8 linears, apex norms: giantmodel.parallel.accel);
 3. activation recomputation (``recompute``) and activation offload
    (``offload.activations``) around each repeated block;
 4. ``torch.compile`` of each block (``train.compile``);
@@ -19,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from giantmodel.config.train import OffloadConfig
+from giantmodel.parallel.accel import Accelerations
 from giantmodel.parallel.objective import Objective
 from giantmodel.parallel.offload import apply_offload
 from giantmodel.parallel.recompute import apply_recompute
@@ -26,14 +28,18 @@ from giantmodel.parallel.recompute import apply_recompute
 
 def parallelize(module: nn.Module, objective: Objective, dims, strategy, *, sp: bool,
                 recompute: str, offload: OffloadConfig, compile: bool,
-                recompute_layers: list[str] | None = None) -> nn.Module:
+                recompute_layers: list[str] | None = None,
+                accel: Accelerations | None = None) -> nn.Module:
     """``recompute_layers``, when given, is one mode per block by global block
-    index (block names end in it); it replaces ``recompute``."""
+    index (block names end in it); it replaces ``recompute``. ``accel``
+    swaps in fp8 linears and fused norms (see giantmodel.parallel.accel)."""
     if dims.tp > 1:
         objective.apply_tensor_parallel(module, dims["tp"], sp=sp)
     if dims.cp > 1:
         objective.apply_context_parallel(module, dims["cp"])
     names = objective.blocks(module)
+    if accel is not None:  # before recompute wraps the blocks and FSDP shards them
+        accel.apply(module, [module.get_submodule(n) for n in names])
     apply_recompute(module, {n: recompute if recompute_layers is None
                              else recompute_layers[int(n.rsplit(".", 1)[-1])] for n in names})
     blocks = [module.get_submodule(n) for n in names]

@@ -42,6 +42,7 @@ from giantmodel.distributed.placement import resolve_placement
 from giantmodel.metrics.flops import job_peak_flops
 from giantmodel.metrics.logger import MetricsLogger, format_memory, peak_memory
 from giantmodel.objectives import build_objective
+from giantmodel.parallel.accel import Accelerations, plan_accelerations
 from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
 from giantmodel.train.moe_stats import MoEStepStats
@@ -82,13 +83,14 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, BaseObject
 
 
 def build_engine(cfg: JobConfig, objective: BaseObjective, dims: ParallelDims, device: torch.device,
-                 bucket_mb: float | None = None) -> TrainEngine:
+                 bucket_mb: float | None = None, accel: Accelerations | None = None) -> TrainEngine:
     """The engine for ``cfg``'s layout (``bucket_mb``: a tuned bucket size,
-    else ``parallel.bucket_mb``)."""
+    else ``parallel.bucket_mb``; ``accel``: fp8 / apex swaps)."""
     return TrainEngine(objective, dims, device, parallel=cfg.parallel, recompute=cfg.recompute,
                        recompute_layers=cfg.recompute_layers, offload=cfg.offload,
                        compile=cfg.train.compile, precision=cfg.precision,
-                       bucket_mb=bucket_mb if bucket_mb is not None else cfg.parallel.bucket_mb)
+                       bucket_mb=bucket_mb if bucket_mb is not None else cfg.parallel.bucket_mb,
+                       accel=accel)
 
 
 class Trainer:
@@ -104,6 +106,10 @@ class Trainer:
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
         configure_tf32(self.device.type, cfg.train.tf32)
+        # fp8 / apex against this device and the installed packages: a
+        # ConfigError here, before any process group, names the key.
+        self.accel = plan_accelerations(cfg, self.device,
+                                        fsdp=cfg.parallel.zero == 3 and self.dims.dp > 1)
         if self.device.type == "cpu" and cfg.train.bind_cores:
             bind_cpu_cores(self.info, cfg.train.threads)
         backend, pg_options = backend_for(cfg.comm, self.device.type, self.info.world_size)
@@ -119,11 +125,12 @@ class Trainer:
             self.dims.build_mesh(self.device.type)
         torch.manual_seed(cfg.train.seed)
         self.bucket_mb = self._bucket_mb()
-        self.engine = build_engine(cfg, self.objective, self.dims, self.device, self.bucket_mb)
+        self.engine = build_engine(cfg, self.objective, self.dims, self.device, self.bucket_mb,
+                                   self.accel)
         self.optimizer = self.engine.build_optimizer(cfg.optim)
         self.moe_stats = MoEStepStats(self.engine.parts, self.dims.group_or_none("dp_cp"))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.precision = Precision(cfg.precision, self.device.type)
+        self.precision = self.accel.precision(cfg.precision, self.device.type)
         self.state = TrainerState(self.precision)
         self.train_loader, self.val_loader = self.objective.build_loaders(
             dp_rank=self.engine.data_rank, dp_size=self.engine.data_world)
