@@ -85,11 +85,10 @@ class LoRALinear(nn.Module):
         # Scale the rank-r activations, not the output: B (s A x) = s B A x,
         # and the multiply (forward and backward) touches r columns, not out.
         delta = self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
-        if type(out) is torch.Tensor and not self.weight.requires_grad:
-            # Autograd keeps no frozen linear's output, so add in place and
-            # skip a fresh [tokens, out] buffer. Sharded (DTensor) outputs
-            # add out of place: their placements may differ from delta's.
-            return out.add_(delta)
+        # Out of place: selective recompute caches the matmul's output and
+        # replays it in backward, so adding into it in place counted the
+        # adapter twice there (wrong gradients with no bias; an error with one).
+        # The sum is transient: add's backward keeps neither operand.
         return out + delta
 
     def base_weight(self) -> torch.Tensor:
