@@ -16,6 +16,8 @@
 #   7. activation offload: peak memory with and without
 #   8. with 2+ GPUs: dp2, tp2, pp2, cp2 over NCCL against one GPU (scripts/gpu_layouts.py multi)
 #   9. step 4 with the plain (full-logits) loss, to show what the chunked loss saves
+#  10. the optional accelerations, each where installed: fp8 (Transformer Engine, torchao
+#      float8) and apex, a few steps of a small LLaMA against bf16 (scripts/gpu_accel_check.py)
 # Writes $OUT/summary.txt, $OUT/summary.json and $OUT/logs.tgz (one log per step): the
 # device tool brings back at most 8 files.
 # Exits 1 when a step failed. Without CUDA it says so and exits 0 in seconds. GM_CHECK_CPU=1 runs every step on the CPU
@@ -183,6 +185,12 @@ step s7_offload 150 s7_offload
 if ((NGPU >= 2)); then step s8_layouts_nccl 240 s8_layouts_nccl
 else say "-- s8_layouts_nccl: skipped (one GPU)"; record s8_layouts_nccl skipped 0; fi
 step s9_bench_1b_plain_loss 200 s9_bench_1b_plain_loss
+# Last and separate: optional packages; "skipped" (exit 3) where none is installed or usable.
+s10_accelerations() {
+  run "$PY" scripts/gpu_accel_check.py; local rc=$?
+  last_json "$L/s10_accelerations.log" >"$L/s10_accelerations.json"; return $rc
+}
+step s10_accelerations 90 s10_accelerations
 
 # ------------------------------------------------------------------ summary
 "$PY" - "$STEPS_JSONL" "$OUT/summary.json" "$SECONDS" <<'EOF' | tee -a "$S"
