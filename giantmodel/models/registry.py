@@ -137,9 +137,12 @@ def _global_indices(param: torch.Tensor) -> list[torch.Tensor | None]:
         if not sharded:
             out.append(None)
             continue
-        index = torch.arange(param.shape[d], device=param.to_local().device)
+        device = param.to_local().device
+        index = torch.arange(param.shape[d], device=device)
+        # .to(device): distribute_tensor moves to the mesh's device type, which
+        # a CPU-offloaded shard does not live on.
         out.append(distribute_tensor(index, param.device_mesh, projected,
-                                     src_data_rank=None).to_local())
+                                     src_data_rank=None).to_local().to(device))
     return out
 
 
