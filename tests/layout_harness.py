@@ -185,11 +185,18 @@ def run_cases(rank: int, world: int, cases: list, steps: int = STEPS) -> list:
     return out
 
 
+_references: dict = {}
+
+
 def reference(arch: str, overrides: list[str], steps: int = STEPS) -> dict:
     """The single-process run of the same case (parallel.* overrides dropped),
-    with its initial parameters under ``"init"``."""
+    with its initial parameters under ``"init"``. Computed once per test
+    session and shared by every module that asks (callers only read it)."""
     kept = [o for o in overrides if not o.startswith("parallel.")]
-    return run_steps(make_config(arch, kept), steps, record_init=True)
+    key = (arch, tuple(kept), steps)
+    if key not in _references:
+        _references[key] = run_steps(make_config(arch, kept), steps, record_init=True)
+    return _references[key]
 
 
 def assert_matches(result: dict, ref: dict, label: str = "",

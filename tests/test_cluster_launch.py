@@ -2,7 +2,10 @@
 scripts/slurm_train.sh (srun emulated by scripts/slurm-shim) start a 2-host
 run with parallel.placement=auto; it checkpoints, stops, and resumes with the
 exact loss sequence; a lost host is named within parallel.timeout_s, and with
-MAX_RESTARTS the restarted host's agent resumes the job from its checkpoint."""
+MAX_RESTARTS the restarted host's agent resumes the job from its checkpoint.
+
+The fast set launches one small job on two hosts, one rank each; the rest is
+``-m slow``."""
 
 import json
 import os
@@ -18,7 +21,7 @@ from giantmodel.distributed.links import load_topology
 from giantmodel.testing.cluster import EmulatedCluster, Link, unavailable_reason
 
 pytestmark = [pytest.mark.skipif(unavailable_reason() is not None,
-                                 reason=str(unavailable_reason())), pytest.mark.slow]
+                                 reason=str(unavailable_reason()))]
 
 REPO = Path(__file__).resolve().parents[1]
 # The vocabulary and micro-batch put the placement far from its tipping point:
@@ -54,6 +57,25 @@ def _multinode(c, tmp_path, args, host, log, **env):
                    stdout=log, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.timeout(240)
+def test_two_hosts_one_rank_each_train_data_parallel(tmp_path):
+    """One torchrun agent per emulated host meets the other by c10d rendezvous;
+    the two ranks train dp2 over the shaped link and finish together."""
+    path = tmp_path / "tiny.yaml"
+    tiny = {**TINY, "parallel": {"timeout_s": 30}, "checkpoint": {"every": 0},
+            "model": {**TINY["model"], "vocab_size": 4096}}
+    path.write_text(yaml.safe_dump(tiny))
+    args = [str(path), "train.steps=2", f"run.dir={tmp_path / 'run'}"]
+    with EmulatedCluster(2, link=Link(rate_mbit=1000)) as c, open(tmp_path / "a.log", "w") as log:
+        procs = [_multinode(c, tmp_path, args, h, log, GPUS_PER_NODE="1") for h in range(2)]
+        codes = c.wait_all(procs, timeout=200)
+    out = (tmp_path / "a.log").read_text()
+    assert codes == [0, 0], out[-4000:]
+    assert sorted(_losses(tmp_path / "run")) == [1, 2], out[-4000:]
+    assert "world=2 pp=1 dp=2" in out, out[-4000:]
+
+
+@pytest.mark.slow
 def test_scripts_start_checkpoint_and_resume_exactly(tmp_path):
     args = _config(tmp_path, steps=4)
     run = tmp_path / "run"
@@ -97,6 +119,7 @@ def test_scripts_start_checkpoint_and_resume_exactly(tmp_path):
     assert topo.alpha[0, 2] >= 1e-3, topo.alpha[0, 2]
 
 
+@pytest.mark.slow
 def test_lost_host_is_named_and_a_restarted_agent_resumes(tmp_path):
     args = _config(tmp_path, steps=8)
     run = tmp_path / "run"

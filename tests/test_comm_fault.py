@@ -65,6 +65,7 @@ def _worker(rank: int, port: int, queue) -> None:
     os._exit(0)  # skip teardown that would wait on the dead rank
 
 
+@pytest.mark.slow
 @needs_core
 @pytest.mark.timeout(90)
 def test_stalled_and_killed_rank_fail_fast_and_leave_no_segments():

@@ -42,7 +42,7 @@ def _train_until_peer_fails(rank, world, mode):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["stuck", "exit"])
+@pytest.mark.parametrize("mode", [pytest.param("stuck", marks=pytest.mark.slow), "exit"])
 def test_dead_peer_fails_within_timeout(mode):
     # The default group gets a long timeout: only parallel.timeout_s, applied
     # to the mesh's own groups, can make this fail in time.

@@ -4,6 +4,9 @@ parameters within 1e-5 after step 5), on tiny LLaMA and GPT, fp32, gloo.
 
 One spawn per world size runs many layouts in a row; the single-process
 references are computed in the parent.
+
+The fast set runs each parallel dimension once (dp with ZeRO 0-3, tp + sp,
+cp, HSDP); the slow set (``-m slow``) runs the rest of the matrix.
 """
 
 from __future__ import annotations
@@ -13,16 +16,20 @@ import pytest
 
 from giantmodel.testing import run_ranks
 
-TWO_RANKS = [
+# Each parallel dimension once, on two ranks: the fast set.
+FAST_TWO = [
     ("llama", ["parallel.dp=2", "parallel.zero=0"]),
     ("llama", ["parallel.dp=2", "parallel.zero=1"]),
     ("llama", ["parallel.dp=2", "parallel.zero=2"]),
     ("llama", ["parallel.dp=2", "parallel.zero=3"]),
+    ("llama", ["parallel.tp=2", "parallel.sp=true"]),
+    ("llama", ["parallel.cp=2"]),
+]
+
+TWO_RANKS = [
     # small buckets: several reduce-scatters in flight, owners per bucket
     ("llama", ["parallel.dp=2", "parallel.zero=2", "parallel.bucket_mb=0.05"]),
     ("llama", ["parallel.tp=2"]),
-    ("llama", ["parallel.tp=2", "parallel.sp=true"]),
-    ("llama", ["parallel.cp=2"]),
     ("llama", ["parallel.tp=2", "parallel.sp=true", "recompute=selective"]),
     # every block resharded after forward (the default keeps this tiny model gathered)
     ("llama", ["parallel.dp=2", "parallel.zero=3", "recompute=full",
@@ -34,8 +41,11 @@ TWO_RANKS = [
     ("gpt", ["parallel.cp=2", "recompute=selective"]),
 ]
 
-FOUR_RANKS = [
+FAST_FOUR = [
     ("llama", ["parallel.dp=4", "parallel.zero=3", "parallel.shard_group_size=2"]),  # HSDP 2x2
+]
+
+FOUR_RANKS = [
     ("llama", ["parallel.dp=2", "parallel.tp=2"]),
     ("llama", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]),
     ("llama", ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=2"]),
@@ -74,26 +84,25 @@ MIXED = [
 PADDED = [("llama", ["parallel.dp=2", f"parallel.zero={z}", "model.tie_embeddings=true",
                      "model.vocab_size=4096"]) for z in (1, 2)]
 
-_refs: dict = {}
-
-
-def _reference(arch, overrides):
-    key = (arch, tuple(o for o in overrides if not o.startswith("parallel.")))
-    if key not in _refs:
-        _refs[key] = H.reference(arch, overrides)
-    return _refs[key]
-
-
 def _check(cases, results, check=H.assert_matches):
     failures = []
     for (arch, overrides), result in zip(cases, results, strict=True):
         try:
-            check(result, _reference(arch, overrides), f"{arch} {overrides}")
+            check(result, H.reference(arch, overrides), f"{arch} {overrides}")
         except AssertionError as e:
             failures.append(str(e))
     assert not failures, "\n".join(failures)
 
 
+def test_each_dimension_on_two_ranks_matches_single_process():
+    _check(FAST_TWO, run_ranks(H.run_cases, 2, FAST_TWO, timeout=200)[0])
+
+
+def test_hsdp_on_four_ranks_matches_single_process():
+    _check(FAST_FOUR, run_ranks(H.run_cases, 4, FAST_FOUR, timeout=200)[0])
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_two_rank_layouts_match_single_process():
     results = run_ranks(H.run_cases, 2, TWO_RANKS + MIXED + PADDED, timeout=260)[0]
@@ -104,6 +113,7 @@ def test_two_rank_layouts_match_single_process():
            check=lambda r, ref, label: H.assert_matches(r, ref, label, norm_rtol=1e-4))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(720)
 def test_four_rank_layouts_match_single_process():
     results = run_ranks(H.run_cases, 4, FOUR_RANKS, timeout=350)[0]

@@ -140,6 +140,7 @@ def test_pp2_every_schedule_matches_single_process():
             assert abs(x["eval"] - ref) <= 1e-5 * ref, (arch, x["eval"], ref)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_pp2_with_tp_sp_dp_zero_cp_tied_matches_single_process():
     cases = [
@@ -284,6 +285,7 @@ def _train_with_stuck_peer(rank: int, world: int) -> dict | None:
     return {"raised": False, "elapsed": time.monotonic() - start}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stuck_stage_fails_within_timeout():
     # The default group's timeout is long: only parallel.timeout_s can end it in time.

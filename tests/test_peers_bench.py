@@ -85,6 +85,7 @@ def test_gpu_suite_without_cuda_prints_the_planner_prediction(tmp_path, monkeypa
     assert pred["tokens_per_sec"] > 0 and 0.05 < pred["mfu"] < 0.9 and pred["peak_memory_gib"] > 1
 
 
+@pytest.mark.slow
 def test_ranks_launched_once_serve_several_commands(tmp_path):
     """The suite launches each system's ranks once and sends them every rep:
     each command runs its cases in turn, each case in a fresh child with its

@@ -199,6 +199,7 @@ def test_layer_recompute_plan_is_least_that_fits():
     assert any(0 < p["plan"]["none"] < p["layers"] for p in plans)
 
 
+@pytest.mark.slow
 def test_hwbench_writes_a_profile_the_planner_reads(tmp_path, monkeypatch, capsys):
     from giantmodel.planner import hardware, hwbench
     from giantmodel.planner.hardware import load_profile_file

@@ -47,7 +47,6 @@ def test_same_seed_same_losses_in_one_process(tmp_path):
     assert first[0][0] != first[-1][0]  # it trained
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_seed_same_losses_at_two_rank_layouts(tmp_path):
     layouts = [["parallel.dp=2", "parallel.zero=1", "parallel.bucket_mb=0.05"],

@@ -93,7 +93,6 @@ def _worker(rank: int, world: int, base: str) -> dict:
     return {name: _run(rank, base, name) for name in SCENARIOS}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_non_finite_overflow_and_spike_steps_are_skipped_on_every_rank(tmp_path, capfd):
     r0, r1 = run_ranks(_worker, 2, str(tmp_path), timeout=200, backend="gloo")

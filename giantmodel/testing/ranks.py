@@ -22,6 +22,7 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -63,8 +64,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _take_callers_stdio(caller: int) -> None:
+    """Write to where the caller's stdout and stderr point now, as a spawned
+    rank would: a forked rank inherits the fork server's, which were the
+    caller's when the server started (pytest's capture of some earlier test)."""
+    for fd in (1, 2):
+        try:
+            new = os.open(f"/proc/{caller}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # no /proc, or a socket: keep the server's
+            continue
+        os.dup2(new, fd)
+        os.close(new)
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-            env: dict, backend: str | None, pg_timeout: float, queue) -> None:
+            env: dict, backend: str | None, pg_timeout: float, queue,
+            caller: int | None = None) -> None:
+    if caller is not None:
+        _take_callers_stdio(caller)
     # A forked rank inherits the fork server's environment, not the caller's:
     # ``env`` carries the caller's whole environment (see _run_once).
     os.environ.clear()
@@ -127,6 +144,9 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float,
               backend: str | None, env: dict | None, pg_timeout: float,
               start: str | None) -> list[Any]:
     ctx = _context(start)
+    caller = os.getpid() if ctx.get_start_method() == "forkserver" else None
+    sys.stdout.flush()
+    sys.stderr.flush()
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ) | dict(env or {})
@@ -134,7 +154,7 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float,
     for rank in range(world_size):
         p = ctx.Process(target=_worker, daemon=True,
                         args=(rank, world_size, port, fn, args, env, backend,
-                              pg_timeout, queue))
+                              pg_timeout, queue, caller))
         p.start()
         procs.append(p)
     results: dict[int, Any] = {}
