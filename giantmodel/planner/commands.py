@@ -138,7 +138,8 @@ def run_plan(args) -> int:
         pl = pipeline_report(cfg.model, top.layout, hw, cluster)
         if len(pl["stages"]) > 1:
             print(f"best layout's pipeline imbalance {pl['imbalance']:.3f}; "
-                  f"suggested parallel.pp_layers={pl['suggested_pp_layers']}")
+                  + (pl["suggestion"] if pl.get("suggested_pp_layers") is None else
+                     f"suggested parallel.pp_layers={pl['suggested_pp_layers']}"))
         if args.out:
             print(f"wrote {args.out}: giantmodel train --config {args.out}")
     return 0

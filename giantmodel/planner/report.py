@@ -41,7 +41,15 @@ def pipeline_report(m, layout: Layout, hw, cluster: Cluster,
                "rank_memory_bytes": mem.ranks[owner(s)].required}
               for s, n in enumerate(layout.stage_layers)]
     out = {"stages": stages, "imbalance": max(cur) / (sum(cur) / ns) if ns else 1.0}
-    if ns > 1:
+    if ns > 1 and m.num_layers < ns:
+        # a hand-made split with blockless stages (Llama 3's embedding-only
+        # first and head-only last chunks): no split giving every stage a
+        # block exists, so there is nothing to suggest
+        out.update({"suggested_pp_layers": None, "suggested_imbalance": out["imbalance"],
+                    "suggested_stage_time_s": cur, "suggested_fits": mem.fits, "speedup": 1.0,
+                    "suggestion": f"{m.num_layers} layers cannot give each of {ns} stages a "
+                                  "block; the given parallel.pp_layers is kept"})
+    elif ns > 1:
         suggested = balanced_split(m.num_layers, ns, lt, emb, head)
         sug_layout = replace(layout, stage_layers=tuple(suggested))
         sug_mem = memory_report(m, sug_layout, hw)
@@ -125,10 +133,10 @@ def format_estimate(d: dict) -> str:
         for s in pl["stages"]:
             lines.append(f"  stage {s['stage']:>2} (rank {s['pp_rank']}): {s['layers']:>3} layers "
                          f"{s['time_s'] * 1e3:8.1f} ms {_gb(s['rank_memory_bytes']):>7} GB")
-        lines.append(f"  imbalance (slowest / mean) {pl['imbalance']:.3f}; suggested "
-                     f"parallel.pp_layers={pl['suggested_pp_layers']} -> "
-                     f"{pl['suggested_imbalance']:.3f}"
-                     + ("" if pl["suggested_fits"] else " (does not fit)"))
+        lines.append(f"  imbalance (slowest / mean) {pl['imbalance']:.3f}; " + (
+            f"{pl['suggestion']}" if pl.get("suggested_pp_layers") is None else
+            f"suggested parallel.pp_layers={pl['suggested_pp_layers']} -> "
+            f"{pl['suggested_imbalance']:.3f}" + ("" if pl["suggested_fits"] else " (does not fit)")))
     return "\n".join(lines)
 
 
