@@ -55,6 +55,9 @@ setup(
         "lora": ["torchao>=0.10", "peft>=0.13"],
         "sd": ["diffusers>=0.30", "transformers>=4.45", "Pillow>=10"],
         "te": ["transformer-engine[pytorch]>=1.10"],
+        # run.loggers=[wandb, mlflow]; mlflow-skinny is MLflow's client
+        # without its server and UI (pip install mlflow adds them)
+        "track": ["wandb>=0.17", "mlflow-skinny>=2.10"],
         "test": TEST,
         "dev": TEST,
     },

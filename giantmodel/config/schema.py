@@ -16,6 +16,7 @@ from giantmodel.config.train import (
     CheckpointConfig,
     OffloadConfig,
     OptimConfig,
+    ProfileConfig,
     RunConfig,
     TrainConfig,
     validate_accelerations,
@@ -56,6 +57,8 @@ class JobConfig:
     """Activation offload to host memory."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory and reporting."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler traces and CUDA memory snapshots."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters for the lora objective (ignored by the others)."""
     sd: SDConfig = field(default_factory=SDConfig)
@@ -70,6 +73,7 @@ class JobConfig:
         self.checkpoint.validate()
         self.comm.validate()
         self.data.validate()
+        self.profile.validate()
         if self.objective == "lora":
             self.lora.validate(self.model.arch)
         elif self.objective == "diffusion":

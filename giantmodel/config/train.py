@@ -181,9 +181,36 @@ class RunConfig:
     dir: str = "runs/llama-tiny"
     """Run directory: resolved config, metrics.jsonl, TensorBoard events, checkpoints/."""
     tensorboard: bool = True
-    """Write TensorBoard events to run.dir/tb when tensorboard is installed."""
+    """Deprecated alias kept for old configs: when run.loggers is null, false turns off the default TensorBoard events; run.loggers, when set, decides alone."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = None
+    """Experiment trackers that receive every metrics record (rank 0 only): tensorboard (events in run.dir/tb), wandb (honours WANDB_MODE, WANDB_PROJECT, WANDB_DIR, WANDB_RUN_ID; files in run.dir unless WANDB_DIR is set) and mlflow (honours MLFLOW_TRACKING_URI, default a file store in run.dir/mlruns). A resumed run continues the same W&B and MLflow runs. null: [tensorboard] when it is installed. A tracker that fails warns once; training goes on."""
     progress: bool = True
-    """Show a progress line with the ETA when stderr is a terminal."""
+    """Show a live progress line (ETA, tokens/s, loss) when stdout and stderr are a terminal; plain lines otherwise."""
+
+    def trackers(self) -> list[str]:
+        """The trackers this run writes to (run.loggers, else the default)."""
+        if self.loggers is not None:
+            return list(dict.fromkeys(self.loggers))
+        return ["tensorboard"] if self.tensorboard else []
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    steps: list[int] | None = None
+    """[first, last]: record a torch.profiler window over these optimizer steps (inclusive, counted from 1), with shapes and memory, into one Chrome trace per rank under run.dir/profile/ (open it in ui.perfetto.dev or chrome://tracing). null: no profile."""
+    memory_snapshot_on_oom: bool = True
+    """On CUDA out-of-memory, write the allocator's memory snapshot to run.dir/memory-snapshot-rank<R>.pickle and print how to view it (pytorch.org/memory_viz)."""
+    memory_history: bool = False
+    """On CUDA, record every allocation's stack from the start (torch.cuda.memory._record_memory_history), so the out-of-memory snapshot shows what allocated each block; costs host time per allocation."""
+
+    def validate(self) -> None:
+        if self.steps is None:
+            return
+        if len(self.steps) != 2 or not 1 <= self.steps[0] <= self.steps[1]:
+            raise ConfigError(f"must be [first, last] with 1 <= first <= last, got {self.steps}",
+                              "profile.steps")
 
 
 def validate_accelerations(job) -> None:

@@ -1,23 +1,16 @@
-"""Metrics sinks: run.dir/metrics.jsonl, TensorBoard, and a terminal progress line."""
+"""Metrics sinks: run.dir/metrics.jsonl, the experiment trackers, and a terminal progress line."""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-
-def format_duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+from giantmodel.config.loader import to_dict
+from giantmodel.metrics.progress import Progress
+from giantmodel.metrics.trackers import Trackers
 
 
 def peak_memory(device: torch.device, reset: bool = True) -> dict[str, float]:
@@ -54,56 +47,65 @@ def format_memory(record: dict) -> str:
 
 
 class MetricsLogger:
-    """Writes on rank 0 only; every other rank gets a logger that does nothing."""
+    """Writes on rank 0 only; every other rank gets a logger that does nothing.
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = True,
-                 progress: bool = True, total_steps: int = 0):
+    Each record goes to run.dir/metrics.jsonl and to the run's trackers
+    (run.loggers: TensorBoard, W&B, MLflow; see :mod:`giantmodel.metrics.trackers`)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool | list[str] = True,
+                 progress: bool = True, total_steps: int = 0, config: dict | None = None,
+                 implicit: bool | None = None):
+        """``tensorboard``: the trackers' names, or a bool for [tensorboard] /
+        none (the old signature). ``implicit``: the list is the default one,
+        so a missing package is no warning (default: when a bool is given)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self._jsonl = None
-        self._tb = None
-        self._start = time.perf_counter()
-        self._start_step = 0
-        self._progress = progress and enabled and sys.stderr.isatty()
+        self.trackers: Trackers | None = None
+        self._progress = Progress(total_steps, enabled=progress and enabled)
         if not enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(run_dir / "tb"))
-            except ImportError:
-                self._tb = None  # tensorboard is optional
+        names = tensorboard if isinstance(tensorboard, list) else (
+            ["tensorboard"] if tensorboard else [])
+        implicit = isinstance(tensorboard, bool) if implicit is None else implicit
+        self.trackers = Trackers(names, run_dir, config or {}, implicit=implicit)
+
+    @classmethod
+    def for_job(cls, cfg, enabled: bool) -> MetricsLogger:
+        """The logger of a JobConfig's run: its trackers, progress and config."""
+        return cls(cfg.run.dir, enabled, cfg.run.trackers(), cfg.run.progress, cfg.train.steps,
+                   config=to_dict(cfg), implicit=cfg.run.loggers is None)
+
+    @property
+    def live(self) -> bool:
+        """Whether a live progress line replaces the plain per-record lines."""
+        return self._progress.live
 
     def start(self, step: int) -> None:
-        self._start, self._start_step = time.perf_counter(), step
+        self._progress.start(step)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            step = record.get("step", 0)
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+        self.trackers.log(record)
+
+    def log_text(self, key: str, text: str, step: int) -> None:
+        """Free text for the trackers (a generated sample after training)."""
+        if self.enabled:
+            self.trackers.log_text(key, text, step)
 
     def progress(self, step: int, text: str) -> None:
-        """One self-overwriting line on a terminal: step, ETA, and ``text``."""
-        if not self._progress:
-            return
-        done = step - self._start_step
-        elapsed = time.perf_counter() - self._start
-        eta = elapsed / done * (self.total_steps - step) if done else float("nan")
-        sys.stderr.write(f"\r[{step}/{self.total_steps}] {text} eta {format_duration(eta)}   ")
-        sys.stderr.flush()
-        if step >= self.total_steps:
-            sys.stderr.write("\n")
+        """The live progress line on a terminal: step, ETA, and ``text``."""
+        self._progress.update(step, text)
 
     def close(self) -> None:
+        self._progress.close()
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+            self._jsonl = None
+        if self.trackers is not None:
+            self.trackers.close()

@@ -135,8 +135,7 @@ class Trainer:
         self.train_loader, self.val_loader = self.objective.build_loaders(
             dp_rank=self.engine.data_rank, dp_size=self.engine.data_world)
         self.microbatches = self.dims.microbatches(cfg.train)
-        self.metrics = MetricsLogger(self.run_dir, self.info.is_rank0, cfg.run.tensorboard,
-                                     cfg.run.progress, cfg.train.steps)
+        self.metrics = MetricsLogger.for_job(cfg, self.info.is_rank0)
         self._stop_requested = False
         self.hang = HangWatch(self.run_dir, self.info.rank, self.info.world_size)
         self._skipped_in_row = 0
@@ -331,7 +330,7 @@ class Trainer:
                     self.metrics.log(record)
                     mem = format_memory(record)
                     self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s{mem}")
-                    if not sys.stderr.isatty():
+                    if not self.metrics.live:
                         self._print(f"step {step}/{t.steps} loss {out['loss']:.4f} "
                                     f"lr {out['lr']:.2e} gnorm {out['grad_norm']:.3f} "
                                     f"{tps:,.0f} {unit}/s mfu {record['mfu']:.1%}{mem}")
@@ -386,6 +385,7 @@ def run_training(cfg: JobConfig) -> dict:
             if text is not None:
                 print("\n----- sample -----\n" + text + "\n------------------", flush=True)
                 summary["sample"] = text
+                trainer.metrics.log_text("samples", text, trainer.state.step)
     finally:
         trainer.close()
     return summary
