@@ -20,22 +20,24 @@ from giantmodel.config.errors import ConfigError
 from giantmodel.config.images import ImageDataConfig
 from giantmodel.config.modes import refuse_unused
 
-SOURCES = ("builtin", "indexed", "synthetic", "sft", "images", "shapes")
+SOURCES = ("builtin", "indexed", "synthetic", "sft", "preference", "images", "shapes")
 IMAGE_SOURCES = ("images", "shapes")
 SYNTHETIC_PATTERNS = ("arithmetic", "random")
 # Which sources read a key; the others refuse it (see config.modes).
 _SFT = ("sft",)
+_PREF = "preference"  # pairs for objective dpo (giantmodel.data.preference)
 _READ_BY = {
-    "paths": ("indexed", "sft", "images"), "weights": ("indexed",),
-    "valid_paths": ("indexed", "sft"), "tokenizer": ("indexed", "sft"),
-    "valid_fraction": ("indexed", "synthetic", "sft"),
+    "paths": ("indexed", "sft", "images", _PREF), "weights": ("indexed",),
+    "valid_paths": ("indexed", "sft", _PREF), "tokenizer": ("indexed", "sft", _PREF),
+    "valid_fraction": ("indexed", "synthetic", "sft", _PREF),
     "synthetic_vocab_size": ("synthetic",), "synthetic_pattern": ("synthetic",),
     "synthetic_num_samples": ("synthetic",), "builtin_vocab_size": ("builtin",),
     "builtin_max_bytes": ("builtin",), "builtin_valid_every": ("builtin",),
     # the corpus, the tiny chat model, the latent caches and the tiny VAE
-    "cache_dir": ("builtin", "sft", *IMAGE_SOURCES),
+    "cache_dir": ("builtin", "sft", _PREF, *IMAGE_SOURCES),
     "cache_latents": IMAGE_SOURCES, "images": IMAGE_SOURCES,
-    "format": _SFT, "chat_template": _SFT, "mask_prompt": _SFT, "pack": _SFT, "truncate": _SFT,
+    "format": _SFT, "chat_template": (*_SFT, _PREF), "mask_prompt": _SFT, "pack": (*_SFT, _PREF),
+    "truncate": _SFT,
 }
 
 
@@ -47,7 +49,8 @@ class DataConfig:
     (Megatron-LM .bin/.idx datasets listed in ``paths``, made by
     ``giantmodel preprocess`` or Megatron-LM's own tools) or "synthetic"
     (token ids generated from the seed; for tests and benchmarks), "sft"
-    (supervised fine-tuning conversations from ``paths``; see the sft block).
+    (supervised fine-tuning conversations from ``paths``; see the sft block),
+    "preference" (chosen/rejected pairs for objective dpo, TRL's formats).
     Image sources for the diffusion objective: "images" (an image folder with
     ``metadata.jsonl``, or a Hugging Face dataset saved to disk, in ``paths``)
     and "shapes" (captioned coloured shapes generated from the seed; needs
@@ -164,7 +167,7 @@ class DataConfig:
             if self.synthetic_num_samples < 1:
                 raise ConfigError(f"must be at least 1, got {self.synthetic_num_samples}",
                                   key="data.synthetic_num_samples")
-        elif self.source == "sft":
+        elif self.source in ("sft", _PREF):
             self._validate_sft()
         else:
             if not 300 <= self.builtin_vocab_size <= 65000:

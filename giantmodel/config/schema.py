@@ -7,6 +7,7 @@ from typing import Literal
 
 from giantmodel.config.comm import CommConfig
 from giantmodel.config.data import DataConfig
+from giantmodel.config.dpo import DPOConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.lora import LoRAConfig
 from giantmodel.config.model import ModelConfig
@@ -28,11 +29,12 @@ class JobConfig:
     """One training job. Its defaults are the embedded default run: a tiny
     LLaMA trained on the Python standard library's sources, on the CPU."""
 
-    objective: Literal["lm", "lora", "diffusion"] = "lm"
+    objective: Literal["lm", "lora", "diffusion", "dpo"] = "lm"
     """What is trained: "lm" (next-token prediction for LLaMA / GPT: pretraining and
     supervised fine-tuning), "lora" (low-rank adapters on a frozen base, set in
     the lora section) or "diffusion" (Stable Diffusion text-to-image and
-    DreamBooth; the ``sd`` section)."""
+    DreamBooth; the ``sd`` section) or "dpo" (preference tuning on chosen/rejected
+    pairs: DPO, IPO, SimPO, ORPO...; the ``dpo`` section, data.source preference)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture and shape."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -63,6 +65,8 @@ class JobConfig:
     """Low-rank adapters for the lora objective (ignored by the others)."""
     sd: SDConfig = field(default_factory=SDConfig)
     """Stable Diffusion models and recipe (objective "diffusion"; ignored by the others)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Preference-tuning loss, reference and truncation (objective "dpo"; ignored by the others)."""
 
     def validate(self) -> None:
         """Checks that need no process group and no world size."""
@@ -78,6 +82,13 @@ class JobConfig:
             self.lora.validate(self.model.arch)
         elif self.objective == "diffusion":
             self.sd.validate()
+        if self.objective == "dpo":
+            self.dpo.validate(self.train.seq_len)
+            if self.dpo.use_lora:
+                self.lora.validate(self.model.arch)
+        if (self.objective == "dpo") != (self.data.source == "preference"):
+            raise ConfigError("objective dpo trains on data.source=preference, and only it "
+                              "reads preference pairs; set both or neither", "data.source")
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "

@@ -21,7 +21,7 @@ def vocab_size_of(cfg: DataConfig) -> int | None:
         return cfg.synthetic_vocab_size
     if cfg.source == "builtin":
         return cfg.builtin_vocab_size  # SentencePiece trains exactly this many pieces
-    if cfg.source == "sft":
+    if cfg.source in ("sft", "preference"):
         return load_tokenizer(sft_tokenizer_path(cfg)).vocab_size
     return load_tokenizer(cfg.tokenizer).vocab_size
 
@@ -34,7 +34,7 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     if cfg.source == "synthetic":
         raise ConfigError("synthetic data has no tokenizer; text generation needs "
                           "data.source=builtin, indexed or sft", key="data.source")
-    if cfg.source == "sft":
+    if cfg.source in ("sft", "preference"):
         return load_tokenizer(sft_tokenizer_path(cfg))
     return load_tokenizer(cfg.tokenizer)
 

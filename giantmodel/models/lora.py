@@ -17,9 +17,11 @@ tensor parallelism shards these modules from outside (the LoRA objective).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -182,6 +184,23 @@ def quantize_base_nf4(model: nn.Module, device: torch.device | str | None = None
             del w
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Inside, every :class:`LoRALinear` of ``model`` computes its base alone:
+    the function of the model before fine-tuning, with no second copy (the
+    DPO reference). The adapters' scale is zeroed, so the update adds an
+    exact zero (no branch in ``forward`` for compiled blocks to trace)."""
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    saved = [m.scaling for m in adapted]
+    for m in adapted:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(adapted, saved, strict=True):
+            m.scaling = scaling
 
 
 def is_lora_param(name: str) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.schema import JobConfig
 from giantmodel.objectives.diffusion import Diffusion
+from giantmodel.objectives.dpo import DPO
 from giantmodel.objectives.lm import LanguageModel
 from giantmodel.objectives.lora import LoRA
 from giantmodel.parallel.objective import BaseObjective
@@ -26,6 +27,7 @@ OBJECTIVES: dict[str, Callable[..., BaseObjective]] = {
     "lm": LanguageModel.from_config,
     "lora": LoRA.from_config,
     "diffusion": Diffusion.from_config,
+    "dpo": DPO.from_config,
 }
 
 
@@ -39,4 +41,4 @@ def build_objective(cfg: JobConfig) -> BaseObjective:
     return factory(cfg)
 
 
-__all__ = ["OBJECTIVES", "Diffusion", "LanguageModel", "LoRA", "build_objective"]
+__all__ = ["DPO", "OBJECTIVES", "Diffusion", "LanguageModel", "LoRA", "build_objective"]

@@ -178,6 +178,11 @@ class BaseObjective:
         """Parameters of the whole model, for logs and the comm tuner's cache key."""
         return 0
 
+    def step_metrics(self) -> dict[str, float]:
+        """Objective-specific metrics of the step just run, reduced over the
+        ranks (DPO's rewards/*); called on every rank after every step."""
+        return {}
+
     def after_step(self) -> None:
         """Runs after every applied optimizer step (an EMA of the weights updates here)."""
         return None

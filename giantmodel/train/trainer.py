@@ -235,6 +235,7 @@ class Trainer:
             self._recent_losses.append(loss)
         # MoE layers: loads summed over dp, bias update (applied steps only), metrics
         moe = self.moe_stats.finish_step(update=not skipped)
+        moe.update(self.objective.step_metrics())  # e.g. DPO's rewards/*, logps/*
         self.engine.zero_grad(self.optimizer)
         self.scheduler.step()
         self.state.step += 1
@@ -326,7 +327,8 @@ class Trainer:
                         record["loss_scale"] = self.precision.scale
                     if out["skipped"]:
                         record["skipped"] = True
-                    record.update({k: v for k, v in out.items() if k.startswith("moe_")})
+                    record.update({k: v for k, v in out.items()
+                                   if k.startswith("moe_") or "/" in k})
                     self.metrics.log(record)
                     mem = format_memory(record)
                     self.metrics.progress(step, f"loss {out['loss']:.4f} {tps:,.0f} {unit}/s{mem}")
