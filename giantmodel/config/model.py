@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,16 +13,32 @@ from giantmodel.config.moe import MoEConfig
 
 @dataclass
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (Meta's Llama 3.1 recipe)."""
+    """RoPE frequency scaling: Llama 3.1's (the default), linear position
+    interpolation (Gemma 3's global layers) or LongRoPE (Phi-3)."""
 
+    type: Literal["llama3", "linear", "longrope"] = "llama3"
+    """'llama3': low frequencies divided by factor, a smooth band between; 'linear': every frequency divided by factor; 'longrope': per-frequency divisors (short_factor, or long_factor when a sequence runs past original_max_seq_len) and cos/sin scaled by attention_factor."""
     factor: float = 8.0
-    """Divisor applied to low frequencies (long wavelengths)."""
+    """Divisor applied to low frequencies (long wavelengths); 'linear': to all of them; 'longrope': max_seq_len / original_max_seq_len, which sets the default attention_factor."""
     low_freq_factor: float = 1.0
     """Wavelengths longer than original_max_seq_len / low_freq_factor are fully scaled."""
     high_freq_factor: float = 4.0
     """Wavelengths shorter than original_max_seq_len / high_freq_factor are left unscaled."""
     original_max_seq_len: int = 8192
     """Context length the unscaled model was trained at."""
+    short_factor: list[float] | None = None
+    """'longrope': divisor of each inverse frequency (head_dim * partial_rotary_factor / 2 of them) for sequences up to original_max_seq_len."""
+    long_factor: list[float] | None = None
+    """'longrope': the divisors for sequences longer than original_max_seq_len."""
+    attention_factor: float | None = None
+    """'longrope': scale of cos and sin; null: sqrt(1 + ln(factor) / ln(original_max_seq_len)) (1 when factor <= 1)."""
+
+    def longrope_attention_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_seq_len))
 
 
 @dataclass
@@ -70,8 +87,22 @@ class ModelConfig:
     """RMSNorm over each head's query and key (weights [head_dim], shared by the heads) before RoPE (Qwen3)."""
     sliding_window: int | None = None
     """Each token attends to the last sliding_window tokens, itself included (Mistral v0.1); null: full causal attention."""
+    layer_types: list[str] | None = None
+    """Per layer, 'sliding_attention' (the sliding_window, and the local RoPE base) or 'full_attention' (Gemma's local/global pattern); null: every layer windowed when sliding_window is set."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding_attention layers, without rope_scaling (Gemma 3: 10 000 against a global 1 000 000); null: every layer uses rope_theta and rope_scaling."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (the first ones; Phi-4-mini: 0.75); the rest pass unrotated."""
+    attn_scale: float | None = None
+    """Softmax scale of the attention scores (Gemma: query_pre_attn_scalar ** -0.5); null: head_dim ** -0.5."""
+    post_norms: bool = False
+    """RMSNorm on the attention and feed-forward outputs before each residual add, besides the pre-norms (Gemma 2/3: four norms per block)."""
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    """Gate activation of the gated MLP: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with tanh-approximated GELU, Gemma)."""
+    embed_scale: bool = False
+    """Multiply token embeddings by sqrt(hidden_size), rounded to the embedding's dtype (Gemma)."""
     family: str | None = None
-    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
+    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral, gemma3_text, phi3); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
 
     @property
     def kv_heads(self) -> int:
@@ -113,10 +144,57 @@ class ModelConfig:
             raise ConfigError(
                 f"sliding_window {self.sliding_window} must be between 1 and model.max_seq_len "
                 f"{self.max_seq_len}; use null for full causal attention", "model.sliding_window")
+        self._validate_layer_pattern()
         # GPT has learned positions: RoPE settings would be ignored; its
         # block has biases everywhere and no window or qk-norm.
-        llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window")
+        llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window",
+                      "layer_types", "rope_local_theta", "partial_rotary_factor", "attn_scale",
+                      "post_norms", "mlp_activation", "embed_scale")
         refuse_unused(self, "model", "arch", {k: ("llama",) for k in llama_only})
+
+    def _validate_layer_pattern(self) -> None:
+        if self.layer_types is not None:
+            kinds = {"sliding_attention", "full_attention"}
+            bad = sorted(set(self.layer_types) - kinds)
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ConfigError(
+                    f"needs num_layers ({self.num_layers}) entries, each 'sliding_attention' or "
+                    f"'full_attention'; got {len(self.layer_types)} entries"
+                    + (f" including {bad}" if bad else ""), "model.layer_types")
+            if self.sliding_window is None and "sliding_attention" in self.layer_types:
+                raise ConfigError("sliding_attention layers need model.sliding_window",
+                                  "model.layer_types")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ConfigError(f"must be in (0, 1] and rotate an even number of dimensions; got "
+                              f"{self.partial_rotary_factor} (head_dim {self.dim_per_head})",
+                              "model.partial_rotary_factor")
+        s = self.rope_scaling
+        if s is not None and s.type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                got = getattr(s, key)
+                if got is None or len(got) != self.rotary_dim // 2:
+                    raise ConfigError(f"'longrope' needs {self.rotary_dim // 2} values (one per "
+                                      f"rotated frequency), got {None if got is None else len(got)}",
+                                      f"model.rope_scaling.{key}")
+        if self.moe is not None and self.mlp_activation != "silu":
+            raise ConfigError("MoE experts are SwiGLU; use mlp_activation silu",
+                              "model.mlp_activation")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (its global index), or None (full causal)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` takes the local RoPE base (rope_local_theta)."""
+        return (self.rope_local_theta is not None and self.layer_types is not None
+                and self.layer_types[layer] == "sliding_attention")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
 
     def moe_ffn_params(self, active: bool = False) -> int:
         """Parameters of one MoE feed-forward (router, experts, shared experts);
@@ -136,7 +214,8 @@ class ModelConfig:
         if self.arch == "llama":
             bias = (q + 2 * kv if self.has_qkv_bias else 0) + (h if self.attn_bias else 0)
             qk_norm = 2 * self.dim_per_head if self.qk_norm else 0
-            per_layer = h * (q + 2 * kv) + q * h + bias + qk_norm + 3 * h * f + 2 * h
+            per_layer = (h * (q + 2 * kv) + q * h + bias + qk_norm + 3 * h * f
+                         + (4 if self.post_norms else 2) * h)
             final_norm = h
             pos = 0
         else:

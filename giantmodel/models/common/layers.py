@@ -31,16 +31,25 @@ class RMSNorm(nn.Module):
         return (out * self.weight.float()).type_as(x)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies of rotary embeddings, with Llama-3 scaling if asked.
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
+                  long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of rotary embeddings over ``head_dim`` rotated
+    dimensions, scaled as ``scaling.type`` says.
 
     Llama 3.1 scaling: wavelengths above original_len/low_freq_factor are
     divided by ``factor``, those below original_len/high_freq_factor are kept,
-    and the band between is interpolated smoothly.
+    and the band between is interpolated smoothly. Linear: every frequency
+    divided by ``factor``. LongRoPE: each frequency divided by its own
+    factor, from ``long_factor`` when ``long`` else ``short_factor``.
     """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv.float()
+    if scaling.type == "linear":
+        return (inv / scaling.factor).float()
+    if scaling.type == "longrope":
+        ext = scaling.long_factor if long else scaling.short_factor
+        return (inv / torch.tensor(ext, dtype=torch.float64)).float()
     wavelen = 2 * math.pi / inv
     low_wl = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wl = scaling.original_max_seq_len / scaling.high_freq_factor
@@ -54,30 +63,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def rope_table(head_dim: int, max_len: int, theta: float,
-               scaling: RopeScaling | None, device=None) -> torch.Tensor:
-    """``[max_len, head_dim]`` table: cos in the first half, sin in the second."""
-    inv = rope_inv_freq(head_dim, theta, scaling).to(device)
+               scaling: RopeScaling | None, device=None, long: bool = False) -> torch.Tensor:
+    """``[max_len, head_dim]`` table: cos in the first half, sin in the second
+    (``head_dim``: the rotated dimensions). LongRoPE scales both by its
+    attention factor, as transformers does (so q.k scales by its square)."""
+    inv = rope_inv_freq(head_dim, theta, scaling, long).to(device)
     t = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)  # [max_len, head_dim/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    if scaling is not None and scaling.type == "longrope":
+        table = table * scaling.longrope_attention_factor()
+    return table
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, H, D] by ``table`` [T, D] (or [B, T, D]).
+    """Rotate ``x`` [B, T, H, D] by ``table`` [T, R] (or [B, T, R]).
 
-    Uses the half-split convention (pairs are (i, i + D/2)), which is the
+    Uses the half-split convention (pairs are (i, i + R/2)), which is the
     layout of Hugging Face Llama checkpoints, so their q/k weights load as-is.
+    A table narrower than the head (R < D: partial rotary, Phi-4-mini)
+    rotates the first R dimensions and passes the rest through.
     """
-    half = x.shape[-1] // 2
+    rot = table.shape[-1]
+    half = rot // 2
     cos, sin = table[..., :half], table[..., half:]
     if cos.dim() == 2:
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     else:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.type_as(x)
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rot < x.shape[-1]:
+        parts.append(xf[..., rot:])
+    return torch.cat(parts, dim=-1).type_as(x)
 
 
 class CausalSDPA(nn.Module):
@@ -164,14 +183,22 @@ class Attention(nn.Module):
     need: biases on all four projections (``bias``) or on q/k/v only
     (``qkv_bias``, Qwen2), an RMSNorm over each head of q and k before RoPE
     (``qk_norm_eps`` set, Qwen3; one weight [head_dim] shared by the heads,
-    so tensor parallelism shards heads and replicates it) and a sliding
-    window (``window``, Mistral)."""
+    so tensor parallelism shards heads and replicates it), a sliding
+    window (``window``, Mistral; per layer, Gemma), a softmax scale of
+    its own (``scale``, Gemma) and an RMSNorm on its output
+    (``out_norm_eps``, Gemma's post-attention norm)."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  bias: bool = False, dropout: float = 0.0, *, qkv_bias: bool | None = None,
-                 qk_norm_eps: float | None = None, window: int | None = None):
+                 qk_norm_eps: float | None = None, window: int | None = None,
+                 scale: float | None = None, out_norm_eps: float | None = None):
         super().__init__()
         self.head_dim = head_dim
+        # Every kernel (SDPA, flash varlen, flex, context parallelism's split
+        # parts) scales by head_dim ** -0.5; another scale is folded into q.
+        self.q_mult = None if scale is None else scale * math.sqrt(head_dim)
+        if out_norm_eps is not None:
+            self.out_norm = RMSNorm(hidden, out_norm_eps)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.wq = nn.Linear(hidden, n_heads * head_dim, bias=qkv_bias)
         self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=qkv_bias)
@@ -185,11 +212,17 @@ class Attention(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dropout: float = 0.0) -> Attention:
-        """The attention a llama-style block of ``cfg`` has."""
+        """The attention a llama-style block of ``cfg`` has (the window of
+        a per-layer pattern is set by :func:`configure_block`)."""
         return cls(cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
                    bias=cfg.attn_bias, dropout=dropout, qkv_bias=cfg.has_qkv_bias,
                    qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
-                   window=cfg.sliding_window)
+                   window=cfg.sliding_window, scale=cfg.attn_scale,
+                   out_norm_eps=cfg.norm_eps if cfg.post_norms else None)
+
+    def set_window(self, window: int | None) -> None:
+        self.window = window
+        self.core.window = window
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
                 mask=None, cache: _LayerCache | None = None) -> torch.Tensor:
@@ -204,27 +237,58 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.q_mult is not None:
+            q = q * self.q_mult
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             out = cached_attention(q, *cache.update(k, v), window=self.window)
-            return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-        # The mask goes only where there is one, so a replaced core (context
-        # parallelism) keeps its three-argument signature.
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        else:
+            # The mask goes only where there is one, so a replaced core
+            # (context parallelism) keeps its three-argument signature.
+            out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
+        out = self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return self.out_norm(out) if hasattr(self, "out_norm") else out
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
 class SwiGLU(nn.Module):
-    """LLaMA MLP: w2(silu(w1 x) * w3 x)."""
+    """LLaMA's gated MLP: w2(act(w1 x) * w3 x), act SiLU (SwiGLU) or the
+    tanh GELU (GeGLU, Gemma); ``out_norm_eps``: an RMSNorm on its output
+    (Gemma's post-feed-forward norm)."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, activation: str = "silu",
+                 out_norm_eps: float | None = None):
         super().__init__()
         self.w1 = nn.Linear(hidden, ffn, bias=False)
         self.w3 = nn.Linear(hidden, ffn, bias=False)
         self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.act = ACTIVATIONS[activation]
+        if out_norm_eps is not None:
+            self.out_norm = RMSNorm(hidden, out_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out = self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.out_norm(out) if hasattr(self, "out_norm") else out
+
+
+def configure_block(block: nn.Module, cfg: ModelConfig, index: int) -> None:
+    """Give a llama-style block what depends on its global layer ``index``
+    (the window of a local/global pattern) or on fields its constructor
+    does not read (the MLP's activation and output norm). Keyed by the
+    global index, so a pipeline stage holding layers 3..5 windows the
+    same layers as one process."""
+    block.attention.set_window(cfg.window_of(index))
+    ff = getattr(block, "feed_forward", None)
+    if isinstance(ff, SwiGLU) and (cfg.mlp_activation != "silu" or cfg.post_norms):
+        with torch.device(ff.w1.weight.device):
+            block.feed_forward = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, cfg.mlp_activation,
+                                        cfg.norm_eps if cfg.post_norms else None)
 
 
 class GeluMLP(nn.Module):

@@ -180,7 +180,9 @@ def sliding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window:
     span, over at most the ``window`` latest keys each (a query's own
     included). CUDA: the flash varlen kernel with a window in half precision,
     else flex attention with a sliding BlockMask (built once per shape); the
-    CPU (and attention dropout): SDPA with the [rows, span] band, cached."""
+    CPU: blocks of ``window`` queries, each against only its own keys and the
+    ``window - 1`` before (:class:`_BandedCPU`), when that skips work; else
+    (and with attention dropout) SDPA with the [rows, span] band, cached."""
     gqa = q.shape[1] != k.shape[1]
     if q.is_cuda and not dropout_p:
         half = q.dtype in (torch.float16, torch.bfloat16)
@@ -188,9 +190,92 @@ def sliding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window:
             return _varlen_sliding(q, k, v, window)
         block = _sliding_block_mask(q.shape[2], k.shape[2], window, str(q.device))
         return _flex(q, k, v, block, gqa)
+    if q.device.type == "cpu" and not dropout_p and q.shape[2] >= 4 * window:
+        return _BandedCPU.apply(q, k, v, window)
     band = window_band(q.shape[2], k.shape[2], window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa,
                                           dropout_p=dropout_p)
+
+
+@functools.lru_cache(maxsize=32)
+def _banded_mask(blocks: int, window: int, left_pad: int, dtype: torch.dtype,
+                 device: str) -> torch.Tensor:
+    """Additive mask [blocks, 1, window, 2*window - 1]: block i's query j sits
+    at its keys' index j + window - 1 and sees keys j .. j + window - 1; keys
+    before index ``left_pad`` of the padded span (padding) are hidden."""
+    with torch.inference_mode(False):
+        j = torch.arange(window, device=device)[:, None]
+        s = torch.arange(2 * window - 1, device=device)[None, :]
+        band = (s >= j) & (s <= j + window - 1)
+        start = torch.arange(blocks, device=device)[:, None, None] * window
+        real = (start + s[None]) >= left_pad
+        visible = band[None] & real
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~visible, float("-inf"))[:, None]
+
+
+def _banded_blocks(q, k, v, window: int):
+    """q as [B*n, H, w, D] blocks of ``window`` queries and k/v as [B*n, Hkv,
+    2w-1, D] blocks of the keys each sees (copies: views of overlapping
+    windows), plus the mask. Queries are the last rows of the key span;
+    the span is padded on the left (or cut) so that block i's keys start at
+    i*w, and both are padded on the right to whole blocks."""
+    B, H, rows, D = q.shape
+    span, w = k.shape[2], window
+    n = -(-rows // w)
+    shift = span - rows - (w - 1)  # first key index the first query may see
+    left_pad = max(0, -shift)
+    k, v = k[:, :, max(0, shift):], v[:, :, max(0, shift):]
+    right = n * w + w - 1 - left_pad - k.shape[2]
+    k, v = (F.pad(t, (0, 0, left_pad, right)) for t in (k, v))
+    q = F.pad(q, (0, 0, 0, n * w - rows))
+
+    def blocks(t, size):  # [B, h, L, D] -> [B*n, h, size, D]
+        b = t.unfold(2, size, w)  # [B, h, n, D, size]
+        return b.permute(0, 2, 1, 4, 3).reshape(B * n, t.shape[1], size, D)
+
+    mask = _banded_mask(n, w, left_pad, q.dtype, str(q.device))
+    mask = mask.expand(B, *mask.shape).reshape(B * n, 1, w, 2 * w - 1)
+    return blocks(q, w), blocks(k, 2 * w - 1), blocks(v, 2 * w - 1), mask, n
+
+
+class _BandedCPU(torch.autograd.Function):
+    """Sliding-window attention on the CPU as blocks: each block of ``window``
+    queries attends its 2*window - 1 keys through the CPU flash kernel, so
+    the work is rows x (2w - 1), not rows x span. Only q, k, v, the output
+    and the log-sum-exp are saved (what full attention saves); the
+    overlapping key blocks are rebuilt in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window: int):
+        qb, kb, vb, mask, n = _banded_blocks(q, k, v, window)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qb, kb, vb, 0.0, False, attn_mask=mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.window = window
+        return _unblock(out, q.shape, n)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, H, rows, D = q.shape
+        w = ctx.window
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            qb, kb, vb, mask, n = _banded_blocks(*leaves, w)
+        dpad = F.pad(dout, (0, 0, 0, n * w - rows))
+        db = dpad.reshape(B, H, n, w, D).transpose(1, 2).reshape(B * n, H, w, D)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            db, qb.detach(), kb.detach(), vb.detach(), out, lse, 0.0, False, attn_mask=mask)
+        # Scatter the blocks' gradients back (overlapping key blocks summed).
+        dq, dk, dv = torch.autograd.grad((qb, kb, vb), leaves, grads)
+        return dq, dk, dv, None
+
+
+def _unblock(out: torch.Tensor, shape, n: int) -> torch.Tensor:
+    B, H, rows, D = shape
+    w = out.shape[2]
+    return out.reshape(B, n, H, w, D).transpose(1, 2).reshape(B, H, n * w, D)[:, :, :rows]
 
 
 def _varlen_window() -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from giantmodel.config.model import ModelConfig
-from giantmodel.models.common.layers import KVCache, rope_table
+from giantmodel.models.common.layers import Attention, KVCache, configure_block, rope_table
 from giantmodel.models.common.masks import document_mask
 from giantmodel.models.common.moe import MoE
 
@@ -36,6 +36,9 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_seq_len, h) if learned_positions else None)
         self.embed_dropout = nn.Dropout(cfg.dropout) if learned_positions else nn.Identity()
         self.layers = nn.ModuleDict({str(i): block_cls(cfg) for i in range(cfg.num_layers)})
+        for i, block in enumerate(self.layers.values()):
+            if isinstance(getattr(block, "attention", None), Attention):
+                configure_block(block, cfg, i)
         if cfg.moe is not None:
             # The feed-forward is the one per-layer choice: MoE on the sparse
             # layers (first_k_dense, dense_layers, sparse_step), dense elsewhere.
@@ -47,6 +50,10 @@ class Transformer(nn.Module):
         # RoPE table: a non-persistent buffer, rebuilt by init_buffers() after
         # meta-device construction (it is never part of a checkpoint).
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        # Gemma's local layers rotate with their own base; LongRoPE has a
+        # second table for sequences past the original context.
+        self.register_buffer("rope_local", torch.empty(0), persistent=False)
+        self.register_buffer("rope_long", torch.empty(0), persistent=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -76,8 +83,28 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         if self.uses_rope:
             c = self.cfg
-            self.rope = rope_table(c.dim_per_head, c.max_seq_len, c.rope_theta,
+            self.rope = rope_table(c.rotary_dim, c.max_seq_len, c.rope_theta,
                                    c.rope_scaling, device=device)
+            if c.rope_local_theta is not None:
+                self.rope_local = rope_table(c.rotary_dim, c.max_seq_len, c.rope_local_theta,
+                                             None, device=device)
+            if c.rope_scaling is not None and c.rope_scaling.type == "longrope":
+                self.rope_long = rope_table(c.rotary_dim, c.max_seq_len, c.rope_theta,
+                                            c.rope_scaling, device=device, long=True)
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """(global, local) RoPE rows of ``positions``; local is None without
+        a local base. LongRoPE takes its long factors when the sequence runs
+        past the original context (transformers' rule: max position + 1 >
+        original_max_seq_len), chosen on the device without a host sync."""
+        if not self.uses_rope:
+            return None, None
+        rope = self.rope[positions]
+        if self.rope_long.numel():
+            limit = self.cfg.rope_scaling.original_max_seq_len
+            rope = torch.where(positions.max() + 1 > limit, self.rope_long[positions], rope)
+        local = self.rope_local[positions] if self.rope_local.numel() else None
+        return rope, local
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
@@ -91,7 +118,14 @@ class Transformer(nn.Module):
         within each example (block-diagonal causal); None is plain causal.
         ``cache`` (generation): ``tokens`` follow the ``cache.length`` tokens
         already cached, whose keys and values are reused, not recomputed."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.cfg.embed_scale:
+                # sqrt(hidden) rounded to the embedding's dtype first, as
+                # Gemma's own code does (55.5, not 55.43, in bf16).
+                h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype).item()
+        else:
+            h = tokens
         T = h.shape[1]
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -99,19 +133,23 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         h = self.embed_dropout(h)
-        rope = self.rope[positions] if self.uses_rope else None
+        rope, rope_local = self._rope_tables(positions)
         mask = None
         if document_ids is not None:
             mask = document_mask(document_ids, _compute_dtype(h))
         if cache is not None and mask is not None:
             raise ValueError("a KV cache serves one sequence per row, not packed batches")
         for name, layer in self.layers.items():
+            # By the layer's global index (its name): under pp a stage's
+            # first layer may be any of the pattern's.
+            r = rope_local if rope_local is not None and self.cfg.uses_local_rope(int(name)) \
+                else rope
             # Keywords only where given: a wrapped block (recompute, compile)
             # keeps the plain call of training.
             if cache is not None:
-                h = layer(h, rope, cache=cache.layer(name))
+                h = layer(h, r, cache=cache.layer(name))
             else:
-                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
+                h = layer(h, r) if mask is None else layer(h, r, mask=mask)
         if cache is not None:
             cache.advance(T)
         if self.norm is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig
-from giantmodel.models.families import gpt2, llama, mistral, qwen2, qwen3
+from giantmodel.models.families import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
 from giantmodel.models.families.base import Family, Fused, NameMap
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -19,6 +19,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen2.FAMILY,
     qwen3.FAMILY,
     mistral.FAMILY,
+    gemma3.FAMILY,
+    phi3.FAMILY,
 )}
 """Family name (the ``model_type`` written on export) -> family."""
 
