@@ -73,9 +73,12 @@ def _engine_grads(tmp_path, micro: int, batch: dict, *extra):
     engine = build_engine(cfg, objective, dims, torch.device("cpu"))
     mbs = [{k: v[i:i + micro] for k, v in batch.items()} for i in range(0, 8, micro)]
     loss = engine.forward_backward(mbs, Precision("fp32", "cpu"))
-    model = engine.parts[0]
-    router = moe_layers(model)[0].router.gate.weight.grad.clone()
-    return loss, router
+    layers = moe_layers(engine.parts[0])
+    _LAST_ENGINE[:] = layers
+    return loss, layers[0].router.gate.weight.grad.clone()
+
+
+_LAST_ENGINE: list = []  # the MoE layers of the last engine _engine_grads built
 
 
 def test_aux_losses_keep_their_scale_under_gradient_accumulation(tmp_path):
@@ -95,6 +98,22 @@ def test_aux_losses_keep_their_scale_under_gradient_accumulation(tmp_path):
     assert one[0] == pytest.approx(four[0], rel=1e-6) and one[0] == pytest.approx(off[0], rel=1e-6)
     torch.testing.assert_close(one[1], four[1], rtol=1e-5, atol=1e-8)
     assert not torch.allclose(one[1], off[1], rtol=1e-3, atol=0)  # the aux terms do act
+
+
+def test_recompute_neither_changes_gradients_nor_counts_twice(tmp_path):
+    """Recompute re-runs each block's forward inside backward: the auxiliary
+    losses must still reach the router, once, and the step's loads count
+    every token once (the bias update and metrics read them)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (8, 17))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    plain = _engine_grads(tmp_path / "none", 4, batch)
+    for mode in ("full", "selective"):
+        loss, grad = _engine_grads(tmp_path / mode, 4, batch, f"recompute={mode}")
+        assert loss == pytest.approx(plain[0], rel=1e-6)
+        torch.testing.assert_close(grad, plain[1], rtol=1e-5, atol=1e-7)
+        stats = _LAST_ENGINE[0].stats
+        assert stats[:4].sum() == 8 * 16 * 2 and stats[4 + 4] == 2  # tokens x k, 2 forwards
 
 
 def _records(run_dir):

@@ -124,8 +124,11 @@ class GroupedExperts(nn.Module):
         expert e (``counts`` may hold one more entry: trailing rows that no
         expert computes, whose output is undefined) -> [M, hidden]."""
         dtype = _compute_dtype(x)
+        # The fused kernel's TMA loads need 16-byte row strides: widths a
+        # multiple of 8 in bf16 (forced, an unaligned width errors in torch).
+        aligned = all(d * dtype.itemsize % 16 == 0 for d in self.w1.shape[1:])
         grouped = self.impl == "grouped_mm" or (
-            self.impl == "auto" and compat.grouped_mm_fused(x.device, dtype))
+            self.impl == "auto" and aligned and compat.grouped_mm_fused(x.device, dtype))
         if grouped:
             return self._grouped(x, counts, dtype)
         return self._loop(x, counts.tolist())
@@ -150,7 +153,7 @@ class GroupedExperts(nn.Module):
         backward), so the trailing undefined rows hold finite values and
         their zero gradients stay zero."""
         num_experts = self.w1.shape[0]
-        align = 16 // (torch.finfo(dtype).bits // 8)
+        align = 16 // dtype.itemsize
         counts = counts.to(torch.int64)
         padded = (counts + align - 1) // align * align
         # starts of each group (and of the trailing undefined rows) before and after padding
@@ -230,8 +233,7 @@ class MoE(nn.Module):
             if self.shared_experts_gate is not None:
                 shared = torch.sigmoid(self.shared_experts_gate(flat)) * shared
             out = out + shared
-        if self.training and torch._C._current_graph_task_id() == -1:
-            # -1: not inside backward, so not a recompute of this forward
+        if self.training:
             self._record(route, keep, b, t)
         return out.view(b, t, hidden)
 
@@ -263,7 +265,11 @@ class MoE(nn.Module):
         c, e = self.cfg, self.cfg.num_experts
         loads = torch.zeros(e, device=route.experts.device).scatter_add_(
             0, route.experts.reshape(-1), torch.ones(route.experts.numel(), device=route.experts.device))
+        # Computed on a recompute too: checkpointing checks that the re-run
+        # saves the same tensors for backward as the forward did.
         raw = balance_losses(route, loads, b, t, c)
+        if torch._C._current_graph_task_id() != -1:
+            return  # inside backward: a recompute of a forward already counted
         aux = [c.aux_loss_coeff * raw["aux_loss"] if "aux_loss" in raw else None,
                c.seq_aux_loss_coeff * raw["seq_aux_loss"] if "seq_aux_loss" in raw else None,
                c.z_loss_coeff * raw["z_loss"] if "z_loss" in raw else None]
