@@ -41,6 +41,7 @@ from giantmodel.distributed.parallel_dims import ParallelDims
 from giantmodel.distributed.placement import resolve_placement
 from giantmodel.metrics.flops import job_peak_flops
 from giantmodel.metrics.logger import MetricsLogger, format_memory, peak_memory
+from giantmodel.metrics.profile import StepProfiler
 from giantmodel.objectives import build_objective
 from giantmodel.parallel.accel import Accelerations, plan_accelerations
 from giantmodel.parallel.engine import TrainEngine
@@ -106,6 +107,9 @@ class Trainer:
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
         configure_tf32(self.device.type, cfg.train.tf32)
+        # before the model exists: CUDA memory history must see its allocations
+        self.profiler = StepProfiler(cfg.profile, self.run_dir, self.info.rank, self.device,
+                                     self._print)
         # fp8 / apex against this device and the installed packages: a
         # ConfigError here, before any process group, names the key.
         self.accel = plan_accelerations(cfg, self.device,
@@ -309,7 +313,9 @@ class Trainer:
         window_t0, window_steps = time.perf_counter(), 0
         try:
             while self.state.step < t.steps and not self._stop_requested:
+                self.profiler.before_step(self.state.step + 1)
                 out = self.train_step()
+                self.profiler.after_step(self.state.step)
                 window_steps += 1
                 step = self.state.step
                 if summary["first_loss"] is None:
@@ -350,6 +356,7 @@ class Trainer:
                     window_t0, window_steps = time.perf_counter(), 0
             self.ckpt.wait()
         except Exception as e:
+            self.profiler.on_error(e)  # a CUDA OOM leaves a memory snapshot
             lost = describe_lost_peer(e, self.peers, self.info.rank) if self.peers else None
             if lost is None:
                 hung = self.hang.report()
@@ -370,6 +377,7 @@ class Trainer:
         return None if model is None else self.objective.sample(model)
 
     def close(self) -> None:
+        self.profiler.close()
         self.hang.close()
         self.ckpt.close()
         self.metrics.close()
