@@ -23,12 +23,14 @@ step on one rank:
   the gradients over dp_shard x cp, and HSDP all-reduces the shard's
   gradients over dp_replicate.
 
-Parameter counts come from the model shape here (LLaMA and GPT blocks);
-``tests/test_placement.py`` checks them against the real modules.
+Parameter counts are the config's own exact count
+(:meth:`~giantmodel.config.model.ModelConfig.num_params`: biases, qk-norm,
+tied heads, MoE layers), split into embedding, block and head here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from giantmodel.config.model import ModelConfig
@@ -55,18 +57,19 @@ class Traffic:
     """What moves, for reports."""
 
 
-def param_counts(model: ModelConfig) -> tuple[int, int, int]:
-    """(embedding, one transformer block, final norm + head) parameter counts."""
-    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    q, kv = model.num_heads * model.dim_per_head, model.kv_heads * model.dim_per_head
-    if model.arch == "llama":
-        bias = (q + 2 * kv + h) if model.attn_bias else 0
-        block = h * (q + 2 * kv) + q * h + bias + 3 * h * f + 2 * h
-        embed, final = v * h, h
-    else:  # GPT: biases everywhere, LayerNorm weight + bias, learned positions
-        block = h * (q + 2 * kv) + q * h + (q + 2 * kv + h) + 2 * h * f + f + h + 4 * h
-        embed, final = v * h + model.max_seq_len * h, 2 * h
+def param_counts(model: ModelConfig) -> tuple[int, float, int]:
+    """(embedding, one transformer block, final norm + head) parameter counts,
+    from :meth:`ModelConfig.num_params` (one count for the whole project).
+    The block is the mean over blocks (MoE layers may differ from dense ones)."""
+    h, v = model.hidden_size, model.vocab_size
+    blocks_and_final = model.num_params(include_embeddings=False)
+    one = dataclasses.replace(model, num_layers=1, moe=None)
+    two = dataclasses.replace(one, num_layers=2)
+    final = 2 * one.num_params(False) - two.num_params(False)
+    blocks = blocks_and_final - final
+    block = blocks // model.num_layers if blocks % model.num_layers == 0 else blocks / model.num_layers
     head = 0 if model.tie_embeddings else v * h
+    embed = model.num_params() - blocks_and_final - head
     return embed, block, final + head
 
 

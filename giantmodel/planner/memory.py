@@ -32,6 +32,7 @@ adapters, fp32 leaves, do.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -44,6 +45,12 @@ from giantmodel.planner.frozen import (
     base_copy_numel,
     bf16_residual,
     frozen_param_bytes,
+)
+from giantmodel.planner.head import (
+    head_edge_bytes,
+    head_loss_impl,
+    head_transient_bytes,
+    head_weight_copy,
 )
 from giantmodel.planner.layout import Layout
 from giantmodel.planner.terms import (  # noqa: F401  (re-exported)
@@ -124,9 +131,15 @@ def _is_linear(name: str) -> bool:
     return len(parts) >= 2 and parts[-2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
+_NOT_SHAPE = ("name", "family", "init_std", "norm_eps", "rope_theta", "rope_scaling")
+
+
 def _model_key(m) -> tuple:
-    return (m.arch, m.hidden_size, m.num_heads, m.kv_heads, m.dim_per_head, m.ffn_hidden_size,
-            m.vocab_size, m.max_seq_len, m.tie_embeddings, m.attn_bias)
+    # every field that may change a parameter's shape or a saved tensor (new
+    # family fields included without listing them); nested configs by repr
+    return tuple(v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+                 for f in dataclasses.fields(m) if f.name not in _NOT_SHAPE
+                 for v in (getattr(m, f.name),))
 
 
 _TABLES: dict[tuple, ParamTable] = {}
@@ -160,6 +173,13 @@ def _param_table(key: tuple, model_cfg_obj) -> ParamTable:
 def param_table(model_cfg) -> ParamTable:
     """Per-layer and per-component parameter shapes of the model (exact)."""
     return _param_table(_model_key(model_cfg), model_cfg)
+
+
+def model_param_count(m) -> int:
+    """Parameters of the whole model, from the table (a tied head once)."""
+    t = param_table(m)
+    return sum(math.prod(p.shape) for p in t.embed + t.final + t.head) \
+        + m.num_layers * t.layer_numel(1)
 
 
 def stage_param_list(table: ParamTable, stage: int, num_stages: int,
@@ -276,20 +296,31 @@ def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_l
                            tp: int = 1, sp: bool = False, cp: int = 1,
                            lora: tuple[int, tuple[str, ...]] | None = None,
                            recomputed: tuple[str, ...] = (),
-                           bf16_stream: bool = False) -> dict[str, float]:
+                           bf16_stream: bool = False, dense_window: bool = False
+                           ) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch, by tensor name.
     ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens.
     ``lora``: (rank, adapted paths) of a frozen base (:func:`layer_terms`).
     ``recomputed``: block matmuls (``wq`` ... ``w3``) whose outputs a selective
     policy re-runs instead of keeping (another stack's policy; this engine's
     keeps them all). ``bf16_stream``: the residual stream is bf16 (a frozen
-    base kept in bf16, :func:`giantmodel.planner.frozen.bf16_residual`)."""
+    base kept in bf16, :func:`giantmodel.planner.frozen.bf16_residual`).
+    ``dense_window``: a sliding window runs as SDPA with a dense band (the
+    CPU), which turns the boolean band into a [s, s] additive mask in the
+    compute dtype and keeps it (one per block, broadcast over the batch)."""
     key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
-           recomputed, bf16_stream)
+           recomputed, bf16_stream, dense_window)
     if key not in _ACTS:
         _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp,
                                              cp, lora, recomputed, bf16_stream)
+        if dense_window and mode == "none" and windowed(m, seq_len) and cp == 1:
+            _ACTS[key]["attention.window_mask"] = DTYPE_BYTES[precision] * seq_len ** 2
     return dict(_ACTS[key])
+
+
+def windowed(m, seq_len: int) -> bool:
+    """Whether the sliding window is shorter than the sequence (else plain causal)."""
+    return m.sliding_window is not None and m.sliding_window < seq_len
 
 
 def _matmul_output(name: str) -> str:
@@ -319,14 +350,14 @@ def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp
 
 def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
                           cp: int, first: bool, last: bool,
-                          frozen: bool = False) -> dict[str, float]:
+                          frozen: bool = False, loss_impl: str = "plain") -> dict[str, float]:
     """Embedding (first stage) and final norm + head + loss (last stage) tensors
     kept for backward for one micro-batch; logits are vocab-parallel under tp.
     ``frozen`` (LoRA): the final RMSNorm and the head keep nothing for their
-    weights' gradients."""
-    c = DTYPE_BYTES[precision]
+    weights' gradients. ``loss_impl``: the resolved train.loss_impl
+    (:func:`giantmodel.planner.head.head_loss_impl`)."""
     tokens = micro_batch * seq_len / cp
-    h, v = m.hidden_size, m.vocab_size
+    h = m.hidden_size
     out = {}
     if first:
         out["embedding.ids"] = tokens * 8
@@ -336,23 +367,14 @@ def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp:
         seq_div = tp if sp else 1
         norm = (4 if frozen else 8) * h if m.arch == "llama" else 4 * h + 8
         out["final_norm"] = tokens * norm / seq_div
-        if not frozen:
-            out["head.input"] = tokens * (c * h if c < 4 else 4 * h)
-        # the fp32 log-softmax output (NLL reads the same tensor). The step
-        # holds no reference to the logits (objective.loss passes them straight
-        # to the loss) and their fp32 copy is not saved, so both are freed in
-        # forward, below the backward transient that follows.
-        out["logits"] = tokens * 4 * v / tp
+        out.update(head_edge_bytes(m, precision, tokens, tp, frozen, loss_impl))
     return out
 
 
 def loss_transient_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int,
-                         cp: int) -> float:
-    """Extra bytes while the loss backward runs: fp32 gradients of the
-    log-softmax output and input (and the cast back under autocast)."""
-    c = DTYPE_BYTES[precision]
-    tokens = micro_batch * seq_len / cp
-    return tokens * m.vocab_size / tp * (8 + (c if c < 4 else 0))
+                         cp: int, loss_impl: str = "plain", frozen: bool = False) -> float:
+    """Extra bytes while the loss runs (:func:`giantmodel.planner.head.head_transient_bytes`)."""
+    return head_transient_bytes(m, precision, micro_batch * seq_len / cp, tp, frozen, loss_impl)
 
 
 # --------------------------------------------------------- in-flight counts
@@ -576,6 +598,8 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     # re-runs); FSDP2 keeps unsharded params from forward to backward under
     # zero 2, and prefetches about two layers under zero 3.
     modes = layout.layer_mode_counts(pp_rank)
+    loss_impl = head_loss_impl(layout, hw)
+    head_copy = ns - 1 in stages and head_weight_copy(loss_impl)
     if layout.zero == 3:
         kept, every = zero3_kept_numel(m, layout)
         # kept blocks are all gathered when backward starts; the others are
@@ -585,9 +609,9 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         comp["working_weights"] = local_full * c
     elif c < 4 and layout.lora_rank:
         comp["working_weights"] = _lora_weight_copies(table, layout, modes.get("none", 0),
-                                                      ns - 1 in stages, style, hw) * c
+                                                      head_copy, style, hw) * c
     elif c < 4:
-        lin = table.head_linear_numel(layout.tp) if ns - 1 in stages else 0
+        lin = table.head_linear_numel(layout.tp) if head_copy else 0
         lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp)
         comp["working_weights"] = lin * c
     else:
@@ -605,7 +629,7 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                                                       layout_strategy(table, layout, hw)))
     by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
                                             layout.sp, layout.cp, lora, recomputed,
-                                            bf16_stream)
+                                            bf16_stream, not on_accelerator(hw))
                for mode in set(modes) | {"none", layout.recompute}}
     per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
@@ -616,8 +640,11 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         acts = rank_bytes * inflight
     edges = edge_activation_bytes(m, layout.precision, b, s, layout.tp, layout.sp, layout.cp,
                                   first=0 in stages, last=ns - 1 in stages,
-                                  frozen=bool(layout.lora_rank))
+                                  frozen=bool(layout.lora_rank), loss_impl=loss_impl)
     edge_inflight = {k: v * (inflight if k == "embedding.ids" else 1.0) for k, v in edges.items()}
+    if not on_accelerator(hw) and windowed(m, s) and n_layers:
+        # the boolean band the CPU path builds once per shape and caches
+        edge_inflight["attention.window_band"] = float(s * s)
     comp["activations"] = acts
     comp["embedding_head_activations"] = sum(edge_inflight.values())
     none_bytes = sum(by_mode["none"].values())
@@ -628,7 +655,8 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         transient = none_bytes - sum(by_mode["selective"].values())
     if ns - 1 in stages:
         transient = max(transient, loss_transient_bytes(m, layout.precision, b, s, layout.tp,
-                                                        layout.cp))
+                                                        layout.cp, loss_impl,
+                                                        bool(layout.lora_rank)))
     comp["backward_transient"] = transient
     if layout.n_micro == 1 and layout.pp == 1:
         # No gradient accumulation: the step frees gradients (set_to_none), so

@@ -221,7 +221,7 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     q = m.num_heads * m.dim_per_head
     # one GEMM per weight, as the blocks run them (wq, wk and wv apart; w1 and w3 apart)
     gemm = sum(gemm_time(hw, prec, tokens, k, n) for k, n in _block_matmul_shapes(m, t).values())
-    attn_flops = 2.0 * layout.micro_batch * layout.seq_len ** 2 * q / (t * cp)
+    attn_flops = 4.0 * layout.micro_batch * attention_pairs(m, layout.seq_len) * q / (t * cp)
     masked = opts.cp_masked_attention
     if cp > 1 and (cp_masked_attention(m) if masked is None else masked):
         attn_flops *= (2 * cp + 1) / (2 * cp)   # each chunk's rectangle up to its end
@@ -382,11 +382,25 @@ class PerfReport:
     """Seconds per step by part: compute, bubble, exposed comm, optimizer."""
 
 
+def attention_pairs(m, seq_len: int) -> float:
+    """(query, key) pairs one sequence's causal attention scores, in the
+    continuous form the FLOP counts use: s^2 / 2, or with a sliding window of
+    w < s keys (min(w, position) keys per query) w s - w^2 / 2, which grows
+    with the window, not with s."""
+    w = m.sliding_window
+    if w is None or w >= seq_len:
+        return seq_len * seq_len / 2.0
+    return w * seq_len - w * w / 2.0
+
+
 def model_flops_per_step(m, global_batch: int, seq_len: int) -> float:
     table = param_table(m)
     p_mm = table.layer_linear_numel(1) - _bias_numel(table)
+    # attention: Narayanan et al.'s 12 s^2 per layer and head width is 24 x
+    # the s^2 / 2 causal pairs; a window counts the pairs it scores
     return (6.0 * global_batch * seq_len * (m.num_layers * p_mm + m.vocab_size * m.hidden_size)
-            + 12.0 * global_batch * seq_len ** 2 * m.num_layers * m.num_heads * m.dim_per_head)
+            + 24.0 * global_batch * attention_pairs(m, seq_len) * m.num_layers
+            * m.num_heads * m.dim_per_head)
 
 
 def lora_flops_per_step(m, layout: Layout, global_batch: int) -> float:

@@ -43,6 +43,8 @@ def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = No
             return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
                     Term(f"{p}.rstd", 4, "seq")]
         terms += norm("attention_norm")
+        if m.qk_norm:
+            terms += qk_norm_terms(m)
         terms += [Term("attention.input", c * h if shared else 3 * c * h if cast else 4 * h,
                        "full"),
                   Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
@@ -73,6 +75,21 @@ def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = No
         if m.dropout > 0:  # CUDA dropout keeps a 1-byte mask per element
             terms += [Term("dropout.masks", 2 * h, "seq"), Term("attention.dropout_rng", 0, "tp")]
     return terms if lora is None else _frozen_base_terms(m, terms, c, *lora, shared=shared)
+
+
+def qk_norm_terms(m) -> list[Term]:
+    """Qwen3's per-head RMSNorm of q and k (before RoPE): each keeps its
+    input in fp32 (a copy of the compute-dtype projection under autocast,
+    the projection itself in fp32), ``x * rstd`` in fp32 for the weight's
+    gradient, and one rstd per head. Local to the rank: the keys are
+    normalised before context parallelism gathers them."""
+    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    out = []
+    for name, width, heads in (("q_norm", q, m.num_heads), ("k_norm", kv, m.kv_heads)):
+        out += [Term(f"attention.{name}.input", 4 * width, "tp"),
+                Term(f"attention.{name}.normed", 4 * width, "tp"),
+                Term(f"attention.{name}.rstd", 4 * heads, "tp")]
+    return out
 
 
 # Which linears read each saved linear input (the block's q/k/v and MLP inputs).
