@@ -48,6 +48,17 @@ TINY = {
                 "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
                 "model.sliding_window=6", "model.ffn_hidden_size=128", "model.vocab_size=256",
                 "model.max_seq_len=64"],
+    # Gemma 3: local layers 0-2 and a global layer 3 (a pp2 stage holds 2-3:
+    # one of each), local/global RoPE bases, its own softmax scale, qk-norm,
+    # four norms per block, GeGLU, scaled and tied embeddings
+    "gemma3": ["model.arch=llama", "model.family=gemma3_text", "model.hidden_size=64",
+               "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.head_dim=16", "model.qk_norm=true", "model.sliding_window=6",
+               "model.layer_types=[sliding_attention,sliding_attention,sliding_attention,"
+               "full_attention]", "model.rope_theta=100000", "model.rope_local_theta=100",
+               "model.attn_scale=0.2", "model.post_norms=true", "model.mlp_activation=gelu_tanh",
+               "model.embed_scale=true", "model.tie_embeddings=true",
+               "model.ffn_hidden_size=128", "model.vocab_size=256", "model.max_seq_len=64"],
 }
 TRAIN = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2",
          "train.steps=5", "optim.lr=0.001", "optim.eps=1e-6", "optim.warmup_steps=0",

@@ -81,6 +81,25 @@ def _qk_norm_plan(block: nn.Module) -> dict:
             for n in ("q_norm", "k_norm")}
 
 
+def _post_norm_plan(block: nn.Module, sp: bool) -> dict:
+    """Gemma's post-attention and post-feed-forward norms sit after the
+    row-parallel outputs: under sp those are sequence shards, so the norms
+    run as SequenceParallel (weights replicated, their gradients reduced
+    across the tp group); without sp their input is whole on every rank."""
+    if not sp:
+        return {}
+    return {path: SequenceParallel() for path in ("attention.out_norm", "feed_forward.out_norm")
+            if _has_submodule(block, path)}
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 StyleFor = Callable[[nn.Module, ParallelStyle], ParallelStyle]
 """``style_for(module, style)``: the style to apply to a block's ``module``
 where the plan says ``style`` (a model that swapped a linear for another
@@ -113,6 +132,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
         if hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
         plan.update(_qk_norm_plan(block))
+        plan.update(_post_norm_plan(block, sp))
         if style_for is not None:
             plan = {path: style_for(block.get_submodule(path), style)
                     for path, style in plan.items()}
