@@ -83,7 +83,7 @@ def test_every_config_field_has_a_docstring():
     (["train.steps=abc"], "train.steps", "expected an integer"),
     (["train.steps=1.5"], "train.steps", "expected an integer"),
     (["model.tie_embeddings=3"], "model.tie_embeddings", "true or false"),
-    (["precision=fp8"], "precision", "must be one of"),
+    (["precision=fp4"], "precision", "must be one of"),
     (["train.seq_len=1024"], "train.seq_len", "exceeds model.max_seq_len"),
     (["model.num_kv_heads=3"], "model.num_kv_heads", "not divisible"),
     (["parallel.zero=4"], "parallel.zero", "0, 1, 2 or 3"),

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from giantmodel.config.errors import ConfigError
 from giantmodel.config.train import OptimConfig
 from giantmodel.core.tensors import unique
 
@@ -50,8 +51,6 @@ def build_adamw(params: Iterable[torch.Tensor], cfg: OptimConfig,
 
 def _apex_adamw(groups: list[dict], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
     """NVIDIA apex's FusedAdam in AdamW mode (decoupled weight decay, as torch's AdamW)."""
-    from giantmodel.config.errors import ConfigError
-
     try:
         from apex.optimizers import FusedAdam
     except ImportError:  # PyPI's "apex" is an unrelated package without it

@@ -40,6 +40,7 @@ from torch import nn
 
 from giantmodel.config.errors import ConfigError
 from giantmodel.core.precision import Precision
+from giantmodel.models.common.layers import RMSNorm
 
 _TE_RECIPES = ("delayed", "current")
 _AO_RECIPES = ("tensorwise", "rowwise")
@@ -160,8 +161,6 @@ def _te_linear(m: nn.Linear) -> nn.Module:
 
 
 def _swap_norms(module: nn.Module) -> None:
-    from giantmodel.models.common.layers import RMSNorm
-
     for fqn, m in list(module.named_modules()):
         if isinstance(m, RMSNorm):
             new = _apex_norm("RMSNorm", m.weight.shape, m.eps, m.weight.device)
