@@ -217,3 +217,47 @@ def test_gemma3_layouts_match_single_process():
         except AssertionError as e:
             failures.append(str(e))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(120)
+def test_recipes_tiny_models_and_multimodal_checkpoints(tmp_path):
+    """The recipes validate; each tiny one's model section is what giantmodel
+    reads from its built-in model, built in HF format on first use and run
+    by transformers as by giantmodel. A multimodal Gemma 3 checkpoint
+    (model_type gemma3, text model under language_model.model.) reads as
+    its text model, the vision tower skipped."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from giantmodel.config import load_config
+    from giantmodel.data.sft_builtin import TINY_CHAT_MODEL, TINY_FAMILIES, ensure_tiny_chat_model
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "finetune"
+    assert load_config(root / "gemma3-4b-lora.yaml").model.family == "gemma3_text"
+    tokens = _tokens()
+    for name in ("tiny-gemma3-lora", "tiny-phi3-lora"):
+        cfg = load_config(root / f"{name}.yaml")
+        which = cfg.checkpoint.init_from.removeprefix("builtin:")
+        hf = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              **TINY_CHAT_MODEL, **TINY_FAMILIES[which]}
+        assert hf_config_to_model_config(hf, name=which) == cfg.model, name
+        built = ensure_tiny_chat_model(tmp_path, which)
+        ref = _logits(transformers.AutoModelForCausalLM.from_pretrained(built).eval(), tokens)
+        assert (_logits(from_hf(built), tokens) - ref).abs().max().item() <= TOL, name
+    # multimodal layout: config under text_config, tensors under a prefix
+    hf = CASES["gemma3"]()
+    hf.save_pretrained(tmp_path / "text")
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    text_cfg = json.loads((tmp_path / "text" / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text_cfg, "vision_config": {"hidden_size": 8}}))
+    state = load_file(str(tmp_path / "text" / "model.safetensors"))
+    state = {k.replace("model.", "language_model.model.", 1): v for k, v in state.items()}
+    state["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    save_file(state, str(mm / "model.safetensors"))
+    model = from_hf(mm)
+    assert model.cfg.family == "gemma3_text"
+    assert (_logits(model, tokens) - _logits(hf, tokens)).abs().max().item() <= TOL

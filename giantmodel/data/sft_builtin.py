@@ -51,10 +51,19 @@ TINY_FAMILIES = {
                    "head_dim": 48, "tie_word_embeddings": True},
     "tiny-mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
                      "sliding_window": 128, "tie_word_embeddings": False},
+    "tiny-gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                    "head_dim": 48, "hidden_activation": "gelu_pytorch_tanh",
+                    "sliding_window": 128, "layer_types": ["sliding_attention"] * 3
+                    + ["full_attention"], "query_pre_attn_scalar": 48,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "tiny-phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                  "original_max_position_embeddings": 512, "tie_word_embeddings": False},
 }
 """Built-in tiny models (``builtin:NAME``): the tiny chat model's shape, tokenizer
 and data in each family's own ``config.json`` (Qwen2's q/k/v biases, Qwen3's
-qk-norm and wider heads, Mistral's sliding window)."""
+qk-norm and wider heads, Mistral's sliding window, Gemma 3's local and
+global layers, Phi-3's fused checkpoint layout)."""
 
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -97,9 +97,18 @@ def _is_norm(hf_name: str) -> bool:
     return hf_name.endswith("norm.weight")
 
 
+# Multimodal Gemma 3 checkpoints (4B and up, model_type gemma3) hold the
+# text model under one of these prefixes (transformers 4 / 5 naming) beside
+# the vision tower, which text fine-tuning does not read.
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+
+
 class Gemma3Family(Family):
     name = "gemma3_text"
-    model_types = ("gemma3_text",)
+    model_types = ("gemma3_text", "gemma3")
+    """'gemma3' (multimodal): its text model only; exports write gemma3_text."""
     architectures = ("Gemma3ForCausalLM",)
     names = GEMMA3_NAMES
     default_window_pattern = 6
@@ -129,6 +138,9 @@ class Gemma3Family(Family):
         return theta, local_theta, hf.get("rope_scaling") or full or None
 
     def config_from_hf(self, hf: dict) -> dict:
+        if "text_config" in hf:  # multimodal: the text model's own config
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True),
+                  **hf["text_config"]}
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UserInputError(f"{self.name} hidden_activation {act!r} is not supported; "
@@ -200,6 +212,13 @@ class Gemma3Family(Family):
     # Gemma's norms multiply by (1 + w): the model holds 1 + w.
     def to_native(self, name: str, tensor: torch.Tensor,
                   cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+        if name.startswith(_VISION):
+            return []
+        for prefix in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name.removeprefix(prefix)
+        if name == "language_model.lm_head.weight":
+            name = "lm_head.weight"
         if _is_norm(name):
             tensor = tensor.float() + 1.0
         return super().to_native(name, tensor, cfg)
