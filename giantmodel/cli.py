@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(sub, "plan", "search parallel layouts for a cluster and write the best as YAML",
               "giantmodel.planner.commands", "add_plan_arguments", "run_plan")
     _add_bench(sub)
+    _delegate(sub, "doctor", "check this machine (or, under torchrun, every rank of a cluster) "
+              "before training: versions, GPUs, /dev/shm, limits, network, disk, packages",
+              "giantmodel.train.doctor", "add_arguments", "main")
     p = sub.add_parser("version", help="print versions and the comm extension status")
     p.set_defaults(func=_cmd_version)
     return parser
