@@ -8,3 +8,7 @@
 * :mod:`commands` - ``giantmodel estimate`` / ``giantmodel plan``;
 * :mod:`hwbench` - ``giantmodel bench hw``: measure this machine.
 """
+
+from giantmodel.planner.preflight import register as _register_preflight
+
+_register_preflight()   # train's memory preflight (giantmodel.core.memory_hook)

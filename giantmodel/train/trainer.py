@@ -47,6 +47,7 @@ from giantmodel.parallel.accel import Accelerations, plan_accelerations
 from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
 from giantmodel.train.moe_stats import MoEStepStats
+from giantmodel.train.preflight import check_memory
 from giantmodel.train.watchdog import HangWatch
 
 log = logging.getLogger("giantmodel")
@@ -106,6 +107,8 @@ class Trainer:
 
         # ---- from here on, process groups exist
         self.device = pick_device(cfg.train.device, self.info)
+        # before the model is built: a job that cannot fit stops in one line
+        check_memory(cfg, self.device, self.info.world_size, self.info.local_world_size)
         configure_tf32(self.device.type, cfg.train.tf32)
         # before the model exists: CUDA memory history must see its allocations
         self.profiler = StepProfiler(cfg.profile, self.run_dir, self.info.rank, self.device,
