@@ -40,7 +40,11 @@ def test_profile_window_writes_a_trace_with_the_steps_matmuls(tmp_path, capsys, 
         trainer.close()
     trace = tmp_path / "profile" / "rank0-steps2-3.trace.json"
     assert trace.is_file()
-    assert f"profile: steps 2-3 written to {trace.parent}/" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"profile: steps 2-3 written to {trace.parent}/" in out
+    # not a terminal: the plain per-record lines, no live line
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == [
+        "1/3", "2/3", "3/3"]
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert names & MATMULS, sorted(n for n in names if n and n.startswith("aten::"))[:40]

@@ -1,6 +1,7 @@
 """Experiment trackers (run.loggers): failures never stop training; W&B offline
 and a local MLflow store hold every logged step, and a resumed run continues both."""
 
+import io
 import json
 import logging
 import shutil
@@ -103,6 +104,42 @@ def test_only_rank0_builds_trackers(tmp_path, monkeypatch):
     assert Recorder.made == [] and not (tmp_path / "r1").exists()
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_live_only_on_a_terminal(tmp_path, monkeypatch):
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a log file: plain lines
+    logger = MetricsLogger(tmp_path, True, [], progress=True, total_steps=4)
+    assert not logger.live
+    logger.start(0)
+    logger.progress(1, "loss 2.0")
+    assert err.getvalue() == ""
+    logger.close()
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # no tqdm: the plain \r line
+    logger = MetricsLogger(tmp_path, True, [], progress=True, total_steps=4)
+    assert logger.live
+    logger.start(0)
+    logger.progress(2, "loss 2.0 1,000 tokens/s")
+    logger.close()
+    assert err.getvalue().startswith("\r[2/4] loss 2.0 1,000 tokens/s eta ")
+    assert not MetricsLogger(tmp_path, False, [], progress=True).live  # not rank 0
+
+    monkeypatch.delitem(sys.modules, "tqdm")
+    pytest.importorskip("tqdm")
+    err.seek(0), err.truncate()
+    logger = MetricsLogger(tmp_path, True, [], progress=True, total_steps=4)
+    logger.start(1)
+    logger.progress(3, "loss 1.5")
+    logger.close()
+    assert "3/4" in err.getvalue() and "loss 1.5" in err.getvalue()
+
+
 def _wandb_history(wandb_dir) -> list[dict]:
     """Every history row of every offline run under ``wandb_dir``, read by
     W&B's own reader of its .wandb transaction logs (``wandb leet inspect``)."""
@@ -122,6 +159,7 @@ def _wandb_history(wandb_dir) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # ~10 s: two runs, two W&B starts and two reads of its logs
 @pytest.mark.timeout(240)
 def test_wandb_offline_and_mlflow_file_store_hold_every_step_and_resume(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
