@@ -82,7 +82,8 @@ def check_versions() -> list[Check]:
     nccl = "none"
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+            v = torch.cuda.nccl.version()  # a tuple; an int (2708) on old builds
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception:  # an NCCL that cannot report its version is reported as such
             nccl = "unknown"
     out.append(Check("torch", "ok" if ver >= MIN_TORCH else "fail",
