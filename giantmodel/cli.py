@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
               "giantmodel.planner.commands", "add_estimate_arguments", "run_estimate")
     _delegate(sub, "plan", "search parallel layouts for a cluster and write the best as YAML",
               "giantmodel.planner.commands", "add_plan_arguments", "run_plan")
+    _delegate(sub, "plot", "draw loss, throughput, learning-rate and grad-norm curves of runs "
+              "(metrics.jsonl) into a PNG", "giantmodel.metrics.plots", "add_arguments", "main")
     _add_bench(sub)
     _delegate(sub, "doctor", "check this machine (or, under torchrun, every rank of a cluster) "
               "before training: versions, GPUs, /dev/shm, limits, network, disk, packages",
