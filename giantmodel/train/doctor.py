@@ -21,10 +21,14 @@ import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from giantmodel import comm
+from giantmodel.config import ConfigError, JobConfig, load_config
+from giantmodel.train.doctor_check import Check
+from giantmodel.train.doctor_dist import distributed_report
 
 MIB, GIB = 1 << 20, 1 << 30
 MIN_TORCH = (2, 11)
@@ -54,19 +58,6 @@ OPTIONAL = (
     ("matplotlib", "matplotlib", ("matplotlib",), "plots"),
     ("tqdm", "tqdm", ("tqdm",), "the live progress bar"),
 )
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "ok" | "info" | "warn" | "fail"
-    detail: str
-    fix: str = ""
-
-    def line(self) -> str:
-        fix = f" -> fix: {self.fix}" if self.fix and self.status in ("warn", "fail") else ""
-        tag = "FAIL" if self.status == "fail" else self.status
-        return f"  {tag:<5} {self.name:<18} {self.detail}{fix}"
 
 
 def _gib(n: float) -> str:
@@ -128,8 +119,7 @@ def check_gpus() -> list[Check]:
 
 def check_extension(status: str | None = None) -> Check:
     if status is None:
-        from giantmodel.comm import extension_status
-        status = extension_status()
+        status = comm.extension_status()
     if status.startswith("missing"):
         return Check("comm ext", "warn", f"{status} (slower CPU collectives)",
                      "install a C++ compiler (apt-get install g++) and run "
@@ -321,7 +311,6 @@ def run_checks(cfg=None, shm_path: str = "/dev/shm", local_ranks: int | None = N
                extension: str | None = None) -> list[Check]:
     """Every check of this host, in report order. ``cfg``: the job whose
     run.dir and checkpoint size are checked (None: the default job)."""
-    from giantmodel.config import JobConfig
     cfg = cfg or JobConfig()
     checks = check_versions() + check_gpus() + [check_extension(extension)]
     checks.append(check_shm(shm_path, local_ranks or local_ranks_default()))
@@ -356,7 +345,6 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     """Print every check (rank 0 under torchrun, with every rank's problems
     and the probe); 1 when anything blocks training on any rank."""
-    from giantmodel.config import ConfigError, load_config
     try:
         cfg, bad = load_config(args.config, list(args.overrides or [])), None
     except ConfigError as e:
@@ -366,7 +354,6 @@ def main(args) -> int:
         checks.insert(0, bad)
     local, lines = checks, []
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from giantmodel.train.doctor_dist import distributed_report
         lines, checks = distributed_report(local, args.probe_mb, args.timeout)
         if lines is None:  # not rank 0: rank 0 prints everything
             return 1 if any(c.status == "fail" for c in checks) else 0

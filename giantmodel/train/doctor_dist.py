@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from giantmodel.train.doctor import Check
+from giantmodel.train.doctor_check import Check
 
 _ITERS = 3
 _NET_FIX = ("check that every host reaches MASTER_ADDR:MASTER_PORT and the others (firewall, "
