@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from giantmodel.config import dump_config, load_config
@@ -15,6 +16,7 @@ from giantmodel.planner.layout import Cluster, resolve_layout
 from giantmodel.planner.memory import memory_report
 from giantmodel.planner.perf import estimate_time
 from giantmodel.planner.placement import add_topology_argument, place_on_topology
+from giantmodel.planner.plots import plot_memory, plot_plan, pyplot
 from giantmodel.planner.report import estimate_dict, format_estimate, format_plan, pipeline_report
 from giantmodel.planner.sd import run_sd_estimate, run_sd_plan
 from giantmodel.planner.search import apply_layout, search, smallest_fitting_cluster, verified
@@ -40,12 +42,18 @@ def _common(p: argparse.ArgumentParser, gpu_required: bool) -> None:
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, gpu_required=False)
+    p.add_argument("--plot", default=None, metavar="F.png",
+                   help="also draw the memory per pipeline rank as stacked bars against the "
+                        "device's capacity (needs matplotlib)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, gpu_required=True)
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--out", default=None, help="write the best layout as a runnable YAML here")
+    p.add_argument("--plot", default=None, metavar="F.png",
+                   help="also draw the best layout's pipeline timeline and the top layouts' "
+                        "tokens/s and memory (needs matplotlib)")
     add_topology_argument(p)
 
 
@@ -83,9 +91,19 @@ def _load(args):
     return cfg, hw, Cluster(args.nodes, gpn)
 
 
+def _check_plot(args, cfg, command: str) -> None:
+    """Before the work: --plot needs matplotlib and an LM config."""
+    if args.plot:
+        pyplot(f"{command} --plot")
+        if cfg.objective == "diffusion":
+            raise ConfigError(f"{command} --plot draws language-model layouts; a diffusion "
+                              "config has no pipeline to draw", "--plot")
+
+
 def run_estimate(args) -> int:
     """Predict memory and speed of the config's own layout."""
     cfg, hw, cluster = _load(args)
+    _check_plot(args, cfg, "estimate")
     if cfg.objective == "diffusion":
         return run_sd_estimate(cfg, hw, cluster, args.json)
     layout = resolve_layout(cfg, cluster)
@@ -95,6 +113,10 @@ def run_estimate(args) -> int:
                       pipeline_report(cfg.model, layout, hw, cluster))
     d["memory"]["layer_recompute"] = layer_recompute_plan(cfg.model, layout, hw, cluster)
     print(json.dumps(d, indent=2) if args.json else format_estimate(d))
+    if args.plot:
+        plot_memory(mem, layout, hw.name, args.plot,
+                    f"{cfg.model.name} on {cluster} {hw.name}: {layout.describe()}")
+        print(f"wrote {args.plot}", file=sys.stderr)   # stderr: --json stays parseable
     return 0
 
 
@@ -104,6 +126,7 @@ def run_plan(args) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}", "--top")
     cfg, hw, cluster = _load(args)
+    _check_plot(args, cfg, "plan")
     if cfg.objective == "diffusion":
         return run_sd_plan(cfg, hw, cluster, args.top, args.out, args.json)
     start = time.monotonic()
@@ -142,4 +165,7 @@ def run_plan(args) -> int:
                      f"suggested parallel.pp_layers={pl['suggested_pp_layers']}"))
         if args.out:
             print(f"wrote {args.out}: giantmodel train --config {args.out}")
+    if args.plot:
+        plot_plan(cfg.model, best, hw, cluster, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
