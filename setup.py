@@ -25,7 +25,9 @@ TEST = ["pytest>=7", "pytest-timeout>=2", "transformers>=4.45", "tokenizers>=0.1
         "datasets>=2.19", "pyarrow>=14", "tensorboard>=2.14", "import-linter>=2.1",
         "ruff==0.17.6", "peft>=0.13", "torchao>=0.10",
         # the Stable Diffusion tests check parity with diffusers' modules
-        "diffusers>=0.30", "Pillow>=10"]
+        "diffusers>=0.30", "Pillow>=10",
+        # giantmodel plot, estimate --plot and plan --plot
+        "matplotlib>=3.7"]
 
 setup(
     name="giantmodel",
@@ -58,6 +60,8 @@ setup(
         # run.loggers=[wandb, mlflow]; mlflow-skinny is MLflow's client
         # without its server and UI (pip install mlflow adds them)
         "track": ["wandb>=0.17", "mlflow-skinny>=2.10"],
+        # PNG pictures: giantmodel plot, estimate --plot, plan --plot
+        "plot": ["matplotlib>=3.7"],
         "test": TEST,
         "dev": TEST,
     },
