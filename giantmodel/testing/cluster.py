@@ -34,6 +34,7 @@ API (stable since tag ``cluster-v1``)::
         ranks = c.popen_ranks([[0, 2], [1, 3]], argv2)      # srun-style: one process per
                                                             # rank, RANK/MASTER_ADDR set
         c.kill_host(1)                                      # SIGKILL every process on host1
+        c.cut_link(1); c.restore_link(1)                    # host1's cable out, and back
     # leaving the block kills what is left and deletes namespaces, links and bridge
 
 - ``Link(rate_mbit=None, delay_ms=0.0)``: ``rate_mbit=None`` leaves the link
@@ -59,7 +60,8 @@ API (stable since tag ``cluster-v1``)::
 
 Tags: ``cluster-v1`` first API; ``cluster-v2`` adds ``popen_ranks``;
 ``cluster-v3``: ``kill_host`` kills the whole namespace, ``run`` passes Popen
-keyword arguments, ``host_command``.
+keyword arguments, ``host_command``; ``cluster-v4`` adds ``cut_link`` and
+``restore_link``.
 """
 
 from __future__ import annotations
@@ -391,6 +393,27 @@ class EmulatedCluster:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
+
+    def cut_link(self, host: int) -> None:
+        """Take ``host``'s network link down while its processes run on, as a
+        pulled cable or a failed switch port would: its peers hear nothing
+        from it (no reset, no refusal), and it hears nothing from them.
+        Veth mode downs the bridge side of the host's veth (the host's eth0
+        loses carrier, its routes stay, packets vanish); tapswitch mode downs
+        the host's TAP NIC (its own sends then fail at once, unreachable)."""
+        if self.mode == "tapswitch":
+            _sh("ip", "-n", self.hosts[host].netns, "link", "set", "eth0", "down")
+        else:
+            _sh("ip", "link", "set", f"gm{self.id}v{host}", "down")
+
+    def restore_link(self, host: int) -> None:
+        """Bring back a link that :meth:`cut_link` took down."""
+        if self.mode == "tapswitch":
+            # the address stays on a downed NIC; the kernel re-adds its
+            # subnet route when the NIC comes up
+            _sh("ip", "-n", self.hosts[host].netns, "link", "set", "eth0", "up")
+        else:
+            _sh("ip", "link", "set", f"gm{self.id}v{host}", "up")
 
     def popen_ranks(self, host_ranks: Sequence[Sequence[int]], argv: Sequence[str], *,
                     port: int = 29500, env: Mapping[str, str] | None = None,
