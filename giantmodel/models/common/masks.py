@@ -228,7 +228,11 @@ def _banded_blocks(q, k, v, window: int):
     k, v = k[:, :, max(0, shift):], v[:, :, max(0, shift):]
     right = n * w + w - 1 - left_pad - k.shape[2]
     k, v = (F.pad(t, (0, 0, left_pad, right)) for t in (k, v))
-    q = F.pad(q, (0, 0, 0, n * w - rows))
+    if n * w != rows:
+        q = F.pad(q, (0, 0, 0, n * w - rows))
+    # [B, H, n*w, D] -> [B*n, H, w, D]: a view when q is the usual transpose
+    # of a [B, T, H, D] projection (no copy of the queries).
+    qb = q.reshape(B, H, n, w, D).transpose(1, 2).reshape(B * n, H, w, D)
 
     def blocks(t, size):  # [B, h, L, D] -> [B*n, h, size, D]
         b = t.unfold(2, size, w)  # [B, h, n, D, size]
@@ -236,7 +240,7 @@ def _banded_blocks(q, k, v, window: int):
 
     mask = _banded_mask(n, w, left_pad, q.dtype, str(q.device))
     mask = mask.expand(B, *mask.shape).reshape(B * n, 1, w, 2 * w - 1)
-    return blocks(q, w), blocks(k, 2 * w - 1), blocks(v, 2 * w - 1), mask, n
+    return qb, blocks(k, 2 * w - 1), blocks(v, 2 * w - 1), mask, n
 
 
 class _BandedCPU(torch.autograd.Function):
@@ -259,16 +263,38 @@ class _BandedCPU(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         B, H, rows, D = q.shape
-        w = ctx.window
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            qb, kb, vb, mask, n = _banded_blocks(*leaves, w)
-        dpad = F.pad(dout, (0, 0, 0, n * w - rows))
-        db = dpad.reshape(B, H, n, w, D).transpose(1, 2).reshape(B * n, H, w, D)
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            db, qb.detach(), kb.detach(), vb.detach(), out, lse, 0.0, False, attn_mask=mask)
-        # Scatter the blocks' gradients back (overlapping key blocks summed).
-        dq, dk, dv = torch.autograd.grad((qb, kb, vb), leaves, grads)
+        w, span = ctx.window, k.shape[2]
+        n = out.shape[0] // B
+        # The blocks' key gradients are summed into padded dk/dv by slices
+        # (no autograd replay of the unfold: fewer layer-sized temporaries).
+        qb, kb, vb, mask, _ = _banded_blocks(q, k, v, w)
+        if n * w != rows:
+            dout = F.pad(dout, (0, 0, 0, n * w - rows))
+        db = dout.reshape(B, H, n, w, D).transpose(1, 2).reshape(B * n, H, w, D)
+        dqb, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            db, qb, kb, vb, out, lse, 0.0, False, attn_mask=mask)
+        del qb, kb, vb, db
+        dq = _unblock(dqb, q.shape, n)
+        shift = span - rows - (w - 1)
+        left_pad = max(0, -shift)
+        # Block i's 2w - 1 keys start at i*w: their last w rows tile keys
+        # [w - 1, w - 1 + n*w) and their first w - 1 (padded to w) tile
+        # [0, n*w), so each part is one strided add, not one per block.
+        Hkv = k.shape[1]
+        dk_pad = k.new_empty(B, Hkv, n * w + w - 1, D)
+        dv_pad = torch.empty_like(dk_pad)
+        for pad, blocks in ((dk_pad, dkb), (dv_pad, dvb)):
+            blocks = blocks.view(B, n, Hkv, 2 * w - 1, D).transpose(1, 2)
+            pad[:, :, :w - 1].zero_()
+            pad[:, :, w - 1:] = blocks[:, :, :, w - 1:].reshape(B, Hkv, n * w, D)
+            pad[:, :, :n * w] += F.pad(blocks[:, :, :, :w - 1], (0, 0, 0, 1)).reshape(
+                B, Hkv, n * w, D)
+        real = slice(left_pad, left_pad + span - max(0, shift))
+        if shift <= 0:  # every key is in some block: the gradients are views
+            return dq, dk_pad[:, :, real], dv_pad[:, :, real], None
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk[:, :, max(0, shift):] = dk_pad[:, :, real]
+        dv[:, :, max(0, shift):] = dv_pad[:, :, real]
         return dq, dk, dv, None
 
 
