@@ -59,6 +59,17 @@ TINY = {
                "model.attn_scale=0.2", "model.post_norms=true", "model.mlp_activation=gelu_tanh",
                "model.embed_scale=true", "model.tie_embeddings=true",
                "model.ffn_hidden_size=128", "model.vocab_size=256", "model.max_seq_len=64"],
+    # MoE as configs/moe/tiny.yaml, scaled down: a dense first layer, 8
+    # sigmoid-routed experts (top-2, renormalised) and a shared expert,
+    # bias updates and all three balance losses on, dropless
+    "moe": ["model.arch=llama", "model.hidden_size=64", "model.num_layers=4",
+            "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=128",
+            "model.vocab_size=256", "model.max_seq_len=64", "model.moe.num_experts=8",
+            "model.moe.top_k=2", "model.moe.router=sigmoid", "model.moe.norm_topk_prob=true",
+            "model.moe.expert_ffn_hidden_size=32", "model.moe.num_shared_experts=1",
+            "model.moe.first_k_dense=1", "model.moe.bias_update_rate=0.01",
+            "model.moe.aux_loss_coeff=0.01", "model.moe.seq_aux_loss_coeff=0.01",
+            "model.moe.z_loss_coeff=0.001"],
 }
 TRAIN = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2",
          "train.steps=5", "optim.lr=0.001", "optim.eps=1e-6", "optim.warmup_steps=0",
@@ -152,6 +163,7 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu", record_init: bool = 
 
     from giantmodel.core.precision import Precision
     from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.train.moe_stats import MoEStepStats
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_config(cfg, world)
@@ -162,6 +174,9 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu", record_init: bool = 
     start = full_parameters(engine) if cfg.checkpoint.init_from else None
     precision = Precision(cfg.precision, device)
     opt = engine.build_optimizer(cfg.optim)
+    # MoE routing biases move after each step, from loads summed over dp x cp
+    # (free for a dense model)
+    moe = MoEStepStats(engine.parts, dims.group_or_none("dp_cp"))
     init = full_parameters(engine) if record_init else None
     losses, norms = [], []
     for step in range(steps):
@@ -171,6 +186,7 @@ def run_steps(cfg, steps: int = STEPS, device: str = "cpu", record_init: bool = 
         norms.append(engine.clip_grad_norm_(cfg.optim.grad_clip))
         if not skip:
             engine.optimizer_step(opt)
+        moe.finish_step(update=not skip)
         engine.zero_grad(opt)
     params = full_parameters(engine)
     if world > 1:

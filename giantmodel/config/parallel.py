@@ -43,6 +43,8 @@ class ParallelConfig:
     """Micro-batches per pipeline step; null derives it from train.global_batch_size / (micro_batch_size * dp)."""
     cp: int = 1
     """Context-parallel degree: splits the sequence of causal attention across ranks."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's routed experts are split over ep ranks, and tokens travel to their experts' ranks by all-to-all. The ep ranks are borrowed from dp x cp (ep must divide it): they still see different tokens and still hold every other weight. The (dp x cp) / ep ranks holding the same experts reduce expert gradients among themselves ("expert data parallel", Megatron-Core's expert_data_parallel group), so no extra ranks are needed and attention and dense weights keep their dp x cp reduction."""
     cp_method: Literal["allgather"] = "allgather"
     """How context-parallel attention exchanges K/V: all-gather of K/V with causal load balancing."""
     bucket_mb: float = 25.0
@@ -55,7 +57,7 @@ class ParallelConfig:
     """Collective timeout: a dead or stuck rank makes the others fail after this many seconds."""
 
     def validate(self) -> None:
-        for key in ("tp", "pp", "cp", "pp_virtual"):
+        for key in ("tp", "pp", "cp", "ep", "pp_virtual"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"parallel.{key}")
         if self.dp == 0 or self.dp < -1:

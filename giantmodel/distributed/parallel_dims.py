@@ -10,6 +10,19 @@ Mesh dimensions, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``.
 TP is innermost so that, with the identity placement, a TP group is a set of
 consecutive ranks (one node's fast links). ``placement`` permutes ranks onto
 mesh positions; bandwidth-aware placement fills it.
+
+Expert parallelism (``ep``) adds no ranks: it borrows them from dp x cp,
+which :meth:`ParallelDims.build_mesh` reads as ``edp x ep`` (ep fastest, so
+an ep group is a set of neighbouring dp x cp ranks) in a second mesh,
+``EXPERT_MESH_DIMS``. Routed experts are sharded over ``ep``; the ``edp``
+ranks hold the same experts and reduce their gradients ("expert data
+parallel"). Why borrow rather than add a dimension: every rank of dp x cp
+already sees its own tokens, so splitting the experts among them moves only
+the routed tokens (the all-to-all) and leaves attention and dense weights
+exactly as without ep (torchtitan borrows ep from dp_shard x cp the same way;
+Megatron-Core's expert data-parallel group is our edp). ep may also span cp:
+those ranks hold different tokens of the same sequences, which the experts
+treat alike.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from giantmodel.core.pipeline_split import PipelinePlan
 from giantmodel.distributed.links import load_topology
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "tp")
 
 
 @dataclass
@@ -45,6 +59,8 @@ class ParallelDims:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree, borrowed from dp x cp (module docstring)."""
     placement: list[int] | None = None
     """Global rank at each mesh position (row-major pp, dp_replicate, dp_shard, cp, tp); None is the identity."""
     timeout_s: float | None = None
@@ -55,6 +71,7 @@ class ParallelDims:
     """Stages, schedule and micro-batches when ``pp > 1`` (made by :meth:`from_config`)."""
     _mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
+    _expert_mesh: object = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -70,8 +87,9 @@ class ParallelDims:
         # "auto" stays unresolved (None) until resolve_placement measures the links
         placement = None if p.placement == "auto" else p.placement
         dims = cls(world_size=world_size, dp_replicate=replicate, dp_shard=shard,
-                   cp=p.cp, tp=p.tp, pp=p.pp, placement=placement, timeout_s=p.timeout_s,
-                   placement_pending=p.placement == "auto")
+                   cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep, placement=placement,
+                   timeout_s=p.timeout_s, placement_pending=p.placement == "auto")
+        dims._check_ep(cfg)
         degrees = {"world_size": world_size, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp,
                    "dp": dims.dp}
         dims.pipeline = validate_layout(degrees=degrees, rank_layout=dims.mesh_layout(),
@@ -79,6 +97,27 @@ class ParallelDims:
         if p.placement == "auto" and cfg.comm.topology != "measure":
             load_topology(cfg.comm.topology, world_size)  # a bad file fails before any group
         return dims
+
+    def _check_ep(self, cfg: JobConfig) -> None:
+        """ep against the model and the dp x cp ranks it borrows (no group exists yet)."""
+        if self.ep == 1:
+            return
+        moe = cfg.model.moe
+        if moe is None:
+            raise ConfigError(f"ep={self.ep} needs MoE layers and model.moe is not set (a dense "
+                              "model has no experts to split); set parallel.ep=1", "parallel.ep")
+        if moe.num_experts % self.ep:
+            raise ConfigError(f"ep={self.ep} does not divide model.moe.num_experts "
+                              f"{moe.num_experts}", "parallel.ep")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError(f"ep={self.ep} does not divide the dp x cp = {self.dp} x {self.cp} "
+                              "ranks it borrows from; raise parallel.dp or lower parallel.ep",
+                              "parallel.ep")
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same experts on different tokens: (dp x cp) / ep."""
+        return self.dp * self.cp // self.ep
 
     @property
     def dp(self) -> int:
@@ -123,8 +162,22 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         self._mesh = mesh
+        if self.ep > 1:
+            # The same ranks, dp x cp read as edp x ep. A mesh of its own (not
+            # a flattened view): expert weights are DTensors on its ep
+            # dimension, and FSDP2 shards them over edp, which it requires to
+            # share a root mesh with ep.
+            layout = self.mesh_layout().reshape(self.pp, self.edp, self.ep, self.tp)
+            self._expert_mesh = DeviceMesh(device_type, layout, mesh_dim_names=EXPERT_MESH_DIMS)
         self._apply_timeout()
         return mesh
+
+    @property
+    def expert_mesh(self):
+        """The ``pp x edp x ep x tp`` mesh (``ep > 1`` only)."""
+        if self._expert_mesh is None:
+            raise RuntimeError("no expert mesh: parallel.ep is 1 or build_mesh() was not called")
+        return self._expert_mesh
 
     def _apply_timeout(self) -> None:
         """Give every mesh group ``parallel.timeout_s``: torch creates them
@@ -133,8 +186,10 @@ class ParallelDims:
         if self.timeout_s is None:
             return
         seen = set()
-        for name in MESH_DIMS + tuple(self._flat):
-            group = self[name].get_group()
+        groups = [self[name].get_group() for name in MESH_DIMS + tuple(self._flat)]
+        if self._expert_mesh is not None:
+            groups += [self._expert_mesh[n].get_group() for n in ("edp", "ep")]
+        for group in groups:
             if id(group) not in seen:
                 seen.add(id(group))
                 _set_pg_timeout(timedelta(seconds=self.timeout_s), group)
@@ -144,6 +199,7 @@ class ParallelDims:
         lets one process build several layouts in a row (tests, benchmarks)."""
         self._mesh = None
         self._flat = {}
+        self._expert_mesh = None
 
     @property
     def mesh(self):
@@ -153,9 +209,12 @@ class ParallelDims:
 
     def __getitem__(self, name):
         """Sub-mesh by name: 'tp', 'cp', 'pp', 'dp', 'dp_shard', 'dp_cp', ...;
-        a tuple of plain dimension names gives a multi-dimensional sub-mesh."""
+        a tuple of plain dimension names gives a multi-dimensional sub-mesh;
+        'ep' and 'edp' come from the expert mesh."""
         if isinstance(name, str) and name in self._flat:
             return self._flat[name]
+        if name in ("ep", "edp"):
+            return self.expert_mesh[name]
         return self.mesh[name]
 
     def group(self, name: str):
@@ -174,4 +233,5 @@ class ParallelDims:
     @cached_property
     def summary(self) -> str:
         return (f"world={self.world_size} pp={self.pp} dp={self.dp} "
-                f"(replicate={self.dp_replicate} x shard={self.dp_shard}) cp={self.cp} tp={self.tp}")
+                f"(replicate={self.dp_replicate} x shard={self.dp_shard}) cp={self.cp} tp={self.tp}"
+                + (f" ep={self.ep} (edp={self.edp})" if self.ep > 1 else ""))

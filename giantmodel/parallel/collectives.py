@@ -78,3 +78,42 @@ def any_true(flag: bool, group, device: torch.device) -> bool:
     """True when ``flag`` is true on any rank of ``group``."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     return bool(all_reduce_max_(t, group).item())
+
+
+def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Exchange equal blocks: ``counts`` [n, m] holds, in row r, what this
+    rank sends to rank r of ``group``; the result's row r is what rank r sent
+    here. Used to tell each rank how many rows the uneven exchange brings."""
+    if group_size(group) == 1:
+        return counts.clone()
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # The reverse exchange: each row's gradient goes back to where the row came from.
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group) -> torch.Tensor:
+    """Uneven all-to-all of the rows of ``x`` over ``group``, with autograd:
+    the first ``in_splits[0]`` rows go to rank 0, the next ``in_splits[1]``
+    to rank 1, ...; the result holds ``out_splits[r]`` rows from each rank r,
+    in rank order. Backward is the same exchange reversed."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)

@@ -34,6 +34,7 @@ from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor, unique_params
 from giantmodel.parallel.accel import Accelerations
 from giantmodel.parallel.collectives import any_true, max_scalar
+from giantmodel.parallel.expert import ExpertDataParallel
 from giantmodel.parallel.flat_buffer import MAX_PADDING, padding_and_first_bucket
 from giantmodel.parallel.fsdp import FSDP
 from giantmodel.parallel.grads import clip_coefficient, clip_grads_
@@ -241,5 +242,8 @@ def build_strategy(dims, *, zero: int, precision: str, bucket_bytes: int,
         return FSDP(dims, reshard_after_forward=zero == 3, precision=precision,
                     keep_gathered_numel=keep_gathered_numel,
                     sync_every_microbatch=zero != 1)
+    if dims.ep > 1:  # experts reduce over edp, the rest over dp x cp
+        return ExpertDataParallel(dims, zero=zero, bucket_bytes=bucket_bytes,
+                                  overlap=dims.pp == 1)
     return OwnZero(dims, zero=zero, group=dims.group("dp_cp"), bucket_bytes=bucket_bytes,
                    overlap=dims.pp == 1)

@@ -7,7 +7,8 @@ zero 3 reshards parameters after forward, except for the blocks that
 hybrid sharding (and zero 2 under pipeline parallelism, whose schedules run
 backward themselves) keeps them gathered from forward to backward
 (``reshard_after_forward=False``).
-A 2-D ``dp_replicate x dp_shard`` mesh gives HSDP.
+A 2-D ``dp_replicate x dp_shard`` mesh gives HSDP. Expert-parallel experts
+(``parallel.ep``) are units of their own, sharded over ``edp``.
 
 Zero 1 and 2 come here too when the flat buffers' whole-parameter ownership
 would pad them (``parallel.strategy.strategy_name``), with parameters kept
@@ -34,6 +35,7 @@ from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.core.precision import DTYPES
 from giantmodel.core.tensors import local_tensor, unique_params
+from giantmodel.parallel.expert import expert_modules
 from giantmodel.parallel.grads import replication
 from giantmodel.parallel.strategy import align_grad_placements
 
@@ -74,6 +76,13 @@ class FSDP:
             numels = [_local_numel(b) for b in blocks]
             keep, keep_edges = kept_gathered(numels, _local_numel(module) - sum(numels),
                                              self.keep_numel)
+        if self.dims.ep > 1:
+            # Expert-parallel experts first, as units of their own: their ep
+            # shards are sharded again over edp (the ranks holding the same
+            # experts) and reduced there, not over dp x cp.
+            expert_kw = {**kw, "mesh": self.dims["edp"]}
+            for experts in expert_modules(module):
+                fully_shard(experts, reshard_after_forward=self.reshard, **expert_kw)
         for block, kept in zip(blocks, keep):
             fully_shard(block, reshard_after_forward=self.reshard and not kept, **kw)
         for unit in edge_units:

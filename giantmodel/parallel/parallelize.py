@@ -3,7 +3,9 @@
 ``parallelize`` takes the chunk an objective built, still on the meta
 device, and applies, in order:
 
-1. the objective's tensor/sequence-parallel plan (``parallel.tp``, ``parallel.sp``);
+1. the objective's tensor/sequence-parallel plan (``parallel.tp``, ``parallel.sp``),
+   then the expert-parallel plan of its MoE layers (``parallel.ep``:
+   giantmodel.parallel.expert);
 2. its context-parallel attention (``parallel.cp``), then the optional
    accelerations (fp8 linears, apex norms: giantmodel.parallel.accel);
 3. activation recomputation (``recompute``) and activation offload
@@ -21,6 +23,7 @@ from torch import nn
 
 from giantmodel.config.train import OffloadConfig
 from giantmodel.parallel.accel import Accelerations
+from giantmodel.parallel.expert import apply_expert_parallel
 from giantmodel.parallel.objective import Objective
 from giantmodel.parallel.offload import apply_offload
 from giantmodel.parallel.recompute import apply_recompute
@@ -35,6 +38,8 @@ def parallelize(module: nn.Module, objective: Objective, dims, strategy, *, sp: 
     swaps in fp8 linears and fused norms (see giantmodel.parallel.accel)."""
     if dims.tp > 1:
         objective.apply_tensor_parallel(module, dims["tp"], sp=sp)
+    if dims.ep > 1:
+        apply_expert_parallel(module, dims["ep"])
     if dims.cp > 1:
         objective.apply_context_parallel(module, dims["cp"])
     names = objective.blocks(module)

@@ -98,7 +98,11 @@ class _Flat:
 class OwnZero:
     """ZeRO 0/1/2 over the ``dp_cp`` group on flat buffers (module docstring)."""
 
-    def __init__(self, dims, *, zero: int, group, bucket_bytes: int, overlap: bool = True):
+    def __init__(self, dims, *, zero: int, group, bucket_bytes: int, overlap: bool = True,
+                 select=None):
+        """``select(param) -> bool``: the parameters this instance reduces
+        (None: every trainable one); expert parallelism runs one instance
+        for the experts over edp and one for the rest over dp x cp."""
         if zero not in (0, 1, 2):
             raise ValueError(f"OwnZero runs zero 0, 1 or 2, not {zero}")
         self.dims = dims
@@ -108,6 +112,7 @@ class OwnZero:
         self.rank = dist.get_rank(group)
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
+        self.select = select
         self.flats: list[_Flat] = []
         self._params: list[torch.Tensor] = []
         self._armed = False
@@ -121,7 +126,8 @@ class OwnZero:
         return None
 
     def attach(self, parts: list[nn.Module]) -> None:
-        self._params = [p for p in unique_params(parts) if p.requires_grad]
+        self._params = [p for p in unique_params(parts)
+                        if p.requires_grad and (self.select is None or self.select(p))]
         owners = self.world if self.zero >= 1 else 1
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._params:

@@ -119,31 +119,38 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """``x`` [M, hidden]: rows sorted by expert, ``counts[e]`` rows for
         expert e (``counts`` may hold one more entry: trailing rows that no
-        expert computes, whose output is undefined) -> [M, hidden]."""
+        expert computes, whose output is undefined) -> [M, hidden].
+        ``weights``: (w1, w3, w2) to compute with instead of the parameters
+        (an expert-parallel plan passes its rank's experts, plain tensors)."""
+        w1, w3, w2 = weights or (self.w1, self.w3, self.w2)
         dtype = _compute_dtype(x)
         # The fused kernel's TMA loads need 16-byte row strides: widths a
         # multiple of 8 in bf16 (forced, an unaligned width errors in torch).
-        aligned = all(d * dtype.itemsize % 16 == 0 for d in self.w1.shape[1:])
+        aligned = all(d * dtype.itemsize % 16 == 0 for d in w1.shape[1:])
         grouped = self.impl == "grouped_mm" or (
             self.impl == "auto" and aligned and compat.grouped_mm_fused(x.device, dtype))
         if grouped:
-            return self._grouped(x, counts, dtype)
-        return self._loop(x, counts.tolist())
+            return self._grouped(x, counts, dtype, w1, w3, w2)
+        return self._loop(x, counts.tolist(), w1, w3, w2)
 
-    def _loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _loop(x: torch.Tensor, counts: list[int], w1, w3, w2) -> torch.Tensor:
         """One matmul per expert (the CPU path): torch.split needs the counts on the host."""
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):
-            if e >= self.w1.shape[0] or xe.shape[0] == 0:
+            if e >= w1.shape[0] or xe.shape[0] == 0:
                 outs.append(torch.zeros_like(xe))  # dropped rows (or none): never read
                 continue
-            outs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
+            outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
         return torch.cat(outs)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _grouped(x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
+                 w1, w3, w2) -> torch.Tensor:
         """Three ``torch._grouped_mm`` calls, no host sync. Each expert's rows
         start at a multiple of 16 bytes' worth of rows (TMA alignment on the
         token dimension, which the weight gradient contracts over), so rows
@@ -152,7 +159,7 @@ class GroupedExperts(nn.Module):
         (torch leaves rows past the last offset uninitialised, in forward and
         backward), so the trailing undefined rows hold finite values and
         their zero gradients stay zero."""
-        num_experts = self.w1.shape[0]
+        num_experts = w1.shape[0]
         align = 16 // dtype.itemsize
         counts = counts.to(torch.int64)
         padded = (counts + align - 1) // align * align
@@ -166,7 +173,7 @@ class GroupedExperts(nn.Module):
         xp = x.new_zeros(rows, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
         offs = torch.cumsum(padded[:num_experts], 0).to(torch.int32)
         offs = torch.cat([offs[:-1], offs.new_full((1,), rows)])
-        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (w.to(dtype) for w in (w1, w3, w2))
         with torch.autocast(x.device.type, enabled=False):
             h = F.silu(torch._grouped_mm(xp, w1, offs=offs)) * torch._grouped_mm(xp, w3, offs=offs)
             y = torch._grouped_mm(h, w2, offs=offs)
