@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from giantmodel.config.errors import ConfigError
+from giantmodel.config.mla import MLAConfig
 from giantmodel.config.modes import refuse_unused
 from giantmodel.config.moe import MoEConfig
 
@@ -14,9 +15,9 @@ from giantmodel.config.moe import MoEConfig
 @dataclass
 class RopeScaling:
     """RoPE frequency scaling: Llama 3.1's (the default), linear position
-    interpolation (Gemma 3's global layers) or LongRoPE (Phi-3)."""
+    interpolation (Gemma 3's global layers), LongRoPE (Phi-3) or YaRN (DeepSeek-V3)."""
 
-    type: Literal["llama3", "linear", "longrope"] = "llama3"
+    type: Literal["llama3", "linear", "longrope", "yarn"] = "llama3"
     """'llama3': low frequencies divided by factor, a smooth band between; 'linear': every frequency divided by factor; 'longrope': per-frequency divisors (short_factor, or long_factor when a sequence runs past original_max_seq_len) and cos/sin scaled by attention_factor."""
     factor: float = 8.0
     """Divisor applied to low frequencies (long wavelengths); 'linear': to all of them; 'longrope': max_seq_len / original_max_seq_len, which sets the default attention_factor."""
@@ -31,7 +32,15 @@ class RopeScaling:
     long_factor: list[float] | None = None
     """'longrope': the divisors for sequences longer than original_max_seq_len."""
     attention_factor: float | None = None
-    """'longrope': scale of cos and sin; null: sqrt(1 + ln(factor) / ln(original_max_seq_len)) (1 when factor <= 1)."""
+    """'longrope': scale of cos and sin; null: sqrt(1 + ln(factor) / ln(original_max_seq_len)) (1 when factor <= 1). 'yarn': the same scale; null: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else mscale(factor, 1), where mscale(s, m) = 0.1 m ln(s) + 1."""
+    beta_fast: float = 32.0
+    """'yarn': rotations over the original context above which a frequency is kept (extrapolated)."""
+    beta_slow: float = 1.0
+    """'yarn': rotations below which a frequency is divided by factor (interpolated); a linear ramp between."""
+    mscale: float | None = None
+    """'yarn': the numerator's multiplier of the default attention_factor (DeepSeek-V3: 1.0)."""
+    mscale_all_dim: float | None = None
+    """'yarn': when set, the attention softmax scale is multiplied by mscale(factor, mscale_all_dim)**2 and the default attention_factor divided by mscale(factor, mscale_all_dim) (DeepSeek-V3: 1.0)."""
 
     def longrope_attention_factor(self) -> float:
         if self.attention_factor is not None:
@@ -39,6 +48,27 @@ class RopeScaling:
         if self.factor <= 1.0:
             return 1.0
         return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_seq_len))
+
+    def yarn_attention_factor(self) -> float:
+        """'yarn': the scale of cos and sin (transformers' ``_compute_yarn_parameters``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                       self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_mscale(self) -> float:
+        """Multiplier of the attention softmax scale: mscale(factor, mscale_all_dim)**2 under
+        'yarn' with mscale_all_dim set (DeepSeek's ``yarn_apply_mscale``), else 1."""
+        if self.type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass
@@ -81,6 +111,8 @@ class ModelConfig:
     """Bias on the q/k/v/o projections (GPT uses biases regardless)."""
     moe: MoEConfig | None = None
     """Mixture-of-Experts feed-forward layers (router, experts, shared experts, balancing); null: every block dense."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (DeepSeek-V3: low-rank query and key/value projections, split RoPE/no-RoPE head dims) in every block; null: standard multi-head / grouped-query attention."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections only, none on o (Qwen2); attn_bias=true implies it."""
     qk_norm: bool = False
@@ -102,7 +134,7 @@ class ModelConfig:
     embed_scale: bool = False
     """Multiply token embeddings by sqrt(hidden_size), rounded to the embedding's dtype (Gemma)."""
     family: str | None = None
-    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral, gemma3_text, phi3); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
+    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral, gemma3_text, phi3, mixtral, qwen3_moe, deepseek_v3); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
 
     @property
     def kv_heads(self) -> int:
@@ -140,6 +172,8 @@ class ModelConfig:
             if self.arch != "llama":
                 raise ConfigError(f"MoE layers need arch llama, not {self.arch}", "model.moe")
             self.moe.validate(self.num_layers)
+        if self.mla is not None:
+            self._validate_mla()
         if self.sliding_window is not None and not 0 < self.sliding_window <= self.max_seq_len:
             raise ConfigError(
                 f"sliding_window {self.sliding_window} must be between 1 and model.max_seq_len "
@@ -149,7 +183,7 @@ class ModelConfig:
         # block has biases everywhere and no window or qk-norm.
         llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window",
                       "layer_types", "rope_local_theta", "partial_rotary_factor", "attn_scale",
-                      "post_norms", "mlp_activation", "embed_scale")
+                      "post_norms", "mlp_activation", "embed_scale", "mla")
         refuse_unused(self, "model", "arch", {k: ("llama",) for k in llama_only})
 
     def _validate_layer_pattern(self) -> None:
@@ -180,6 +214,21 @@ class ModelConfig:
             raise ConfigError("MoE experts are SwiGLU; use mlp_activation silu",
                               "model.mlp_activation")
 
+    def _validate_mla(self) -> None:
+        self.mla.validate()
+        # MLA has no separate k/v heads or per-head qk-norm, and its kernels
+        # run full causal attention.
+        for key, plain in (("num_kv_heads", (None, self.num_heads)), ("attn_bias", (False,)),
+                           ("qkv_bias", (False,)), ("qk_norm", (False,)),
+                           ("sliding_window", (None,)), ("partial_rotary_factor", (1.0,))):
+            if getattr(self, key) not in plain:
+                raise ConfigError(f"is not supported with multi-head latent attention "
+                                  f"(model.mla); use {plain[-1]!r}", f"model.{key}")
+        if self.dim_per_head != self.mla.qk_head_dim:
+            raise ConfigError(f"must be qk_nope_head_dim + qk_rope_head_dim "
+                              f"({self.mla.qk_head_dim}) with model.mla, got {self.dim_per_head}",
+                              "model.head_dim")
+
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (its global index), or None (full causal)."""
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
@@ -194,7 +243,18 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.dim_per_head * self.partial_rotary_factor)
+
+    def mla_params(self) -> int:
+        """Parameters of one multi-head latent attention (projections and latent norms)."""
+        m, h, heads = self.mla, self.hidden_size, self.num_heads
+        q_out = heads * m.qk_head_dim
+        q = h * q_out if m.q_lora_rank is None else m.q_lora_rank * (h + 1 + q_out)
+        kv = (h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+              + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim))
+        return q + kv + heads * m.v_head_dim * h
 
     def moe_ffn_params(self, active: bool = False) -> int:
         """Parameters of one MoE feed-forward (router, experts, shared experts);
@@ -224,6 +284,8 @@ class ModelConfig:
             final_norm = 2 * h
             pos = self.max_seq_len * h
         total = L * per_layer + final_norm
+        if self.mla is not None:  # MLA blocks swap q/k/v/o (no biases, no qk-norm) for its own
+            total += L * (self.mla_params() - h * (q + 2 * kv) - q * h)
         if self.moe is not None:  # MoE blocks swap the dense SwiGLU for router + experts
             total += len(self.moe.sparse_layers(L)) * (self.moe_ffn_params() - 3 * h * f)
         if include_embeddings:

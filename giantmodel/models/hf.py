@@ -183,11 +183,16 @@ def load_hf_into(parts: list[nn.Module], path: str | os.PathLike,
 
     cfg = cfg or hf_config_to_model_config(read_hf_config(path))
     targets = _targets(parts, keep)
+    buffers = _buffer_targets(parts)
     filled: set[int] = set()
     for hf_name, tensor in iter_hf_tensors(path):
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
             continue  # the tied head is the embedding, filled below from it
         for name, full in hf_to_native(hf_name, tensor, cfg):
+            for part, key in buffers.get(name, []):
+                # Persistent buffers (an MoE router's bias) go through
+                # load_state_dict so their modules' load hooks see them.
+                part.load_state_dict({key: full}, strict=False)
             names = [name]
             if name == "tok_embeddings.weight" and cfg.tie_embeddings:
                 names.append("output.weight")
@@ -204,6 +209,18 @@ def load_hf_into(parts: list[nn.Module], path: str | os.PathLike,
     if missing:
         raise UserInputError(f"{path}: the checkpoint has no weights for {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _buffer_targets(parts: Iterable[nn.Module]) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Canonical name -> (part, state-dict key) of each persistent buffer:
+    loaded when the checkpoint has it, never required."""
+    out: dict[str, list[tuple[nn.Module, str]]] = {}
+    for part in parts:
+        params = {canonical_name(n) for n, _ in part.named_parameters(remove_duplicate=False)}
+        for key in part.state_dict(keep_vars=True):
+            if canonical_name(key) not in params:
+                out.setdefault(canonical_name(key), []).append((part, key))
+    return out
 
 
 def _global_shape(p: torch.Tensor) -> torch.Size:

@@ -50,6 +50,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
     if scaling.type == "longrope":
         ext = scaling.long_factor if long else scaling.short_factor
         return (inv / torch.tensor(ext, dtype=torch.float64)).float()
+    if scaling.type == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     wavelen = 2 * math.pi / inv
     low_wl = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wl = scaling.original_max_seq_len / scaling.high_freq_factor
@@ -73,7 +75,28 @@ def rope_table(head_dim: int, max_len: int, theta: float,
     table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     if scaling is not None and scaling.type == "longrope":
         table = table * scaling.longrope_attention_factor()
+    if scaling is not None and scaling.type == "yarn":
+        table = table * scaling.yarn_attention_factor()
     return table
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) inverse frequencies over ``dim`` rotated
+    dimensions, as transformers computes them (fp32, truncated correction
+    range): frequencies that turn more than ``beta_fast`` times over the
+    original context are kept, fewer than ``beta_slow`` divided by
+    ``factor``, with a linear ramp over the dimensions between."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low)
+            / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return (1.0 / (scaling.factor * pos)) * (1 - keep) + (1.0 / pos) * keep
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

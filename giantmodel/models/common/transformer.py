@@ -15,6 +15,7 @@ from torch import nn
 from giantmodel.config.model import ModelConfig
 from giantmodel.models.common.layers import Attention, KVCache, configure_block, rope_table
 from giantmodel.models.common.masks import document_mask
+from giantmodel.models.common.mla import MLA
 from giantmodel.models.common.moe import MoE
 
 
@@ -36,6 +37,9 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_seq_len, h) if learned_positions else None)
         self.embed_dropout = nn.Dropout(cfg.dropout) if learned_positions else nn.Identity()
         self.layers = nn.ModuleDict({str(i): block_cls(cfg) for i in range(cfg.num_layers)})
+        if cfg.mla is not None:  # the attention choice: latent attention in every block
+            for block in self.layers.values():
+                block.attention = MLA(cfg)
         for i, block in enumerate(self.layers.values()):
             if isinstance(getattr(block, "attention", None), Attention):
                 configure_block(block, cfg, i)

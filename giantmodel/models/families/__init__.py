@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig
-from giantmodel.models.families import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
+from giantmodel.models.families import (
+    deepseek_v3,
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from giantmodel.models.families.base import Family, Fused, NameMap
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -21,6 +32,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     mistral.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
+    mixtral.FAMILY,
+    qwen3_moe.FAMILY,
+    deepseek_v3.FAMILY,
 )}
 """Family name (the ``model_type`` written on export) -> family."""
 
