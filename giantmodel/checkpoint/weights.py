@@ -76,13 +76,15 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 
 def read_lora_settings(path: str | os.PathLike) -> tuple[LoRAConfig, str | None] | None:
     """``(lora section, checkpoint.init_from)`` of the run that wrote the
-    checkpoint at ``path`` when it trained the lora objective, else None."""
+    checkpoint at ``path`` when it trained LoRA adapters (objective lora, or
+    dpo with dpo.use_lora), else None."""
     step_dir = layout.resolve_checkpoint_dir(path)
     run_cfg = step_dir.parent.parent / "config.yaml"
     if not run_cfg.is_file():
         return None
     raw = yaml.safe_load(run_cfg.read_text()) or {}
-    if raw.get("objective") != "lora":
+    dpo_lora = raw.get("objective") == "dpo" and (raw.get("dpo") or {}).get("use_lora")
+    if raw.get("objective") != "lora" and not dpo_lora:  # DPO with LoRA saves adapters too
         return None
     lora = from_dict(LoRAConfig, raw.get("lora") or {}, prefix="lora")
     return lora, (raw.get("checkpoint") or {}).get("init_from")

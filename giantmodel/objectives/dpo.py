@@ -35,6 +35,7 @@ over all ranks in :meth:`DPO.step_metrics`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -102,7 +103,8 @@ class DPO(BaseObjective):
         inner_cls = LoRA if cfg.dpo.use_lora else LanguageModel
         prepare_sft(cfg)  # builtin:NAME in init_from becomes its directory
         cfg.data.tokenizer = sft_tokenizer_path(cfg.data, cfg.checkpoint.init_from)
-        check_sft(cfg.data)  # the chat template exists
+        # The chat template exists (the files are pairs, not SFT records: checked next).
+        check_sft(dataclasses.replace(cfg.data, paths=[], valid_paths=[]))
         preference_records(cfg.data, tiny_preferences)  # every record parses
         inner = inner_cls.from_config(cfg)
         return cls(inner, cfg.dpo)
