@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from giantmodel.config.errors import ConfigError
+from giantmodel.config.errors import ConfigError, RunStopped
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,10 @@ def shutdown_distributed() -> None:
 
 
 # ------------------------------------------------------------ lost hosts
-class HostLostError(RuntimeError):
+class HostLostError(RunStopped):
     """A collective failed because a peer host stopped answering; the
-    message names the host and its ranks."""
+    message names the host and its ranks. A RunStopped, so the CLI ends on
+    that one line rather than a traceback."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,26 @@ class PeerHost:
     rank: int
     host: str
     addresses: tuple[str, ...]
+    port: int = 0
+    """A TCP port this rank listens on (never accepting) so that a peer can
+    tell, after a collective timed out, whether its host still answers."""
+
+
+# The probe listener of this process: kept open for the process's life (the
+# kernel completes probes' handshakes; nothing is ever accepted).
+_listener: list = []
+
+
+def _probe_port(world_size: int) -> int:
+    import socket
+
+    if not _listener:
+        try:
+            sock = socket.create_server(("", 0), backlog=min(4096, max(128, world_size)))
+        except OSError:
+            return 0
+        _listener.append(sock)
+    return _listener[0].getsockname()[1]
 
 
 def gather_peer_hosts() -> list[PeerHost]:
@@ -136,7 +157,8 @@ def gather_peer_hosts() -> list[PeerHost]:
                 addrs.add(s.getsockname()[0])
         except OSError:
             pass
-    mine = PeerHost(dist.get_rank(), host, tuple(sorted(addrs)))
+    mine = PeerHost(dist.get_rank(), host, tuple(sorted(addrs)),
+                    _probe_port(dist.get_world_size()))
     peers: list[PeerHost | None] = [None] * dist.get_world_size()
     dist.all_gather_object(peers, mine)
     return peers
@@ -160,3 +182,122 @@ def describe_lost_peer(error: BaseException, peers: list[PeerHost], me: int) -> 
             first = text.strip().splitlines()[0][:300]
             return (f"lost contact with host {hit[0].host} (ranks {ranks}, {addr}): {first}")
     return None
+
+
+# ------------------------------------------------------- silent peers
+# What gloo, the giant backend and DCP say when a peer stops answering: a
+# timeout ("Timed out waiting 20000ms for recv operation"), a pair closed
+# after one ("Application timeout caused pair closure"), or a transport error.
+_FAILURE_TEXTS = ("timed out", "pair closure", "connection closed by peer",
+                  "connection reset by peer", "broken pipe", "network is unreachable",
+                  "no route to host")
+_FAILURE_TYPES = ("DistBackendError", "DistNetworkError", "CommError")
+_SOURCE_PREFIX = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _chain(error: BaseException):
+    """``error``, its causes and contexts, and DCP's wrapped failures."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()
+                     if isinstance(f, BaseException) or isinstance(f, tuple)]
+        todo += [e.__cause__, e.__context__]
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost its transport
+    (anywhere in its chain): the failures a silent peer causes. Bad input
+    (ValueError, ConfigError) never is, whatever its text says."""
+    for e in _chain(error):
+        if isinstance(e, BaseException) and type(e).__name__ in _FAILURE_TYPES:
+            return True
+        if isinstance(e, ValueError) and not isinstance(e, RuntimeError):
+            continue
+        if is_collective_failure_text(str(e)):
+            return True
+    return False
+
+
+def probe_host(peer: PeerHost, timeout_s: float) -> str:
+    """"answers", "process gone" (the host refuses the rank's probe port) or
+    why the host did not answer within ``timeout_s`` ("no answer within 3 s",
+    "network is unreachable"). A refusal is an answer: only a host behind a
+    dead link or a dead machine stays silent."""
+    import errno
+    import socket
+
+    why = "no address known"
+    for addr in peer.addresses:
+        try:
+            with socket.create_connection((addr, peer.port or 9), timeout=timeout_s):
+                return "answers"
+        except ConnectionRefusedError:
+            return "process gone" if peer.port else "answers"
+        except TimeoutError:
+            why = f"no answer within {timeout_s:g} s"
+        except OSError as e:
+            why = os.strerror(e.errno).lower() if e.errno else str(e)
+            if e.errno == errno.ECONNRESET:
+                return "answers"
+    return why
+
+
+def probe_peer_hosts(peers: list[PeerHost], me: int, timeout_s: float = 3.0) -> dict[str, str]:
+    """Each other host's :func:`probe_host` verdict, probing its first rank;
+    all hosts at once, so the whole probe takes at most ``timeout_s`` per address."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mine = peers[me].host if 0 <= me < len(peers) else None
+    first: dict[str, PeerHost] = {}
+    for p in peers:
+        if p is not None and p.host != mine:
+            first.setdefault(p.host, p)
+    if not first:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(64, len(first))) as pool:
+        verdicts = pool.map(lambda p: probe_host(p, timeout_s), first.values())
+        return dict(zip(first, verdicts))
+
+
+def describe_silent_peers(error: BaseException, peers: list[PeerHost], me: int,
+                          verdicts: dict[str, str], reached: dict[int, str] | None = None,
+                          here: str = "") -> str | None:
+    """The one line for a collective that failed because hosts went silent:
+    "lost contact with host host1 (ranks [2, 3], 10.50.0.2): no answer within
+    3 s; newest reached: ranks [2, 3] step 4 forward_backward; rank 0 on host0
+    waited in ...: Timed out waiting ...". ``verdicts`` are
+    :func:`probe_peer_hosts`'s, ``reached`` each rank's newest phase or
+    collective where known, ``here`` where this rank waited. None when
+    every host answers: then the peers are alive and the cause is elsewhere."""
+    lost = {h: v for h, v in verdicts.items() if v != "answers"}
+    if not lost:
+        return None
+    reached = reached or {}
+    names, seen = [], []
+    for host, verdict in lost.items():
+        ranks = sorted(p.rank for p in peers if p.host == host)
+        addr = next((a for p in peers if p.host == host for a in p.addresses), "?")
+        names.append(f"{host} (ranks {ranks}, {addr}): {verdict}")
+        known = sorted({reached[r] for r in ranks if r in reached})
+        seen.append(f"{host} {' / '.join(known) if known else 'not known from here'}")
+    text = next((str(e) for e in _chain(error) if is_collective_failure_text(str(e))),
+                str(error))
+    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
+    first = _SOURCE_PREFIX.sub("", (text.strip().splitlines() or [""])[0])[:300]
+    mine = peers[me].host if 0 <= me < len(peers) else "?"
+    return (f"lost contact with host{'s' if len(names) > 1 else ''} {'; '.join(names)}; "
+            f"newest reached: {', '.join(seen)}; rank {me} on {mine} waited in "
+            f"{here or 'a collective'}: {first}")
+
+
+def is_collective_failure_text(text: str) -> bool:
+    """Whether ``text`` reads like a timed-out or broken collective."""
+    text = text.lower()
+    return any(t in text for t in _FAILURE_TEXTS)

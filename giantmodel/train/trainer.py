@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import statistics
 import sys
@@ -31,9 +32,12 @@ from giantmodel.distributed.init import (
     HostLostError,
     bind_cpu_cores,
     describe_lost_peer,
+    describe_silent_peers,
     gather_peer_hosts,
     init_distributed,
+    is_collective_failure,
     pick_device,
+    probe_peer_hosts,
     shutdown_distributed,
     world_info,
 )
@@ -48,7 +52,7 @@ from giantmodel.parallel.engine import TrainEngine
 from giantmodel.parallel.objective import BaseObjective, check_supported
 from giantmodel.train.moe_stats import MoEStepStats
 from giantmodel.train.preflight import check_memory
-from giantmodel.train.watchdog import HangWatch
+from giantmodel.train.watchdog import HangWatch, last_collectives
 
 log = logging.getLogger("giantmodel")
 
@@ -360,7 +364,7 @@ class Trainer:
             self.ckpt.wait()
         except Exception as e:
             self.profiler.on_error(e)  # a CUDA OOM leaves a memory snapshot
-            lost = describe_lost_peer(e, self.peers, self.info.rank) if self.peers else None
+            lost = self._lost_peers(e)
             if lost is None:
                 hung = self.hang.report()
                 if hung is None:
@@ -373,6 +377,36 @@ class Trainer:
             signal.signal(signal.SIGTERM, old_handler)
         summary["step"] = self.state.step
         return summary
+
+    def _lost_peers(self, e: BaseException) -> str | None:
+        """The one line naming the hosts a failed collective lost: from the
+        error's text when it names a peer's address (a dead process resets
+        its connections), else, for a timeout or a closed pair, from probing
+        every peer host (a cut link leaves both processes alive and silent)."""
+        if not self.peers:
+            return None
+        lost = describe_lost_peer(e, self.peers, self.info.rank)
+        if lost is not None or not is_collective_failure(e):
+            return lost
+        verdicts = probe_peer_hosts(self.peers, self.info.rank)
+        _, newest = last_collectives(1)
+        here = self.hang.entered + (f" ({newest})" if newest else "")
+        return describe_silent_peers(e, self.peers, self.info.rank, verdicts,
+                                     self._peer_phases(verdicts), here)
+
+    def _peer_phases(self, verdicts: dict[str, str]) -> dict[int, str]:
+        """Each rank's newest phase from the hang watch's record in the store,
+        read only when the store's host still answers: a store across the
+        cut link would block for the whole process-group timeout."""
+        master = os.environ.get("MASTER_ADDR", "")
+        store_host = next((p.host for p in self.peers
+                           if master in (p.host, *p.addresses)), None)
+        if store_host is None or verdicts.get(store_host, "answers") != "answers":
+            return {}
+        try:  # the hang watch's own record: "count|phase" per rank
+            return {r: phase for r, (_, phase) in self.hang._read("at").items()}
+        except Exception:  # noqa: BLE001 - no store, or it left too: nothing to add
+            return {}
 
     def sample(self) -> str | None:
         """What the objective shows after training (single-process runs only)."""
