@@ -220,9 +220,16 @@ def is_collective_failure(error: BaseException) -> bool:
             return True
         if isinstance(e, ValueError) and not isinstance(e, RuntimeError):
             continue
-        if is_collective_failure_text(str(e)):
+        if is_collective_failure_text(_text(e)):
             return True
     return False
+
+
+def _text(e: BaseException) -> str:
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001 - a malformed wrapper (DCP's) is not the error itself
+        return type(e).__name__
 
 
 def probe_host(peer: PeerHost, timeout_s: float) -> str:
@@ -287,8 +294,8 @@ def describe_silent_peers(error: BaseException, peers: list[PeerHost], me: int,
         names.append(f"{host} (ranks {ranks}, {addr}): {verdict}")
         known = sorted({reached[r] for r in ranks if r in reached})
         seen.append(f"{host} {' / '.join(known) if known else 'not known from here'}")
-    text = next((str(e) for e in _chain(error) if is_collective_failure_text(str(e))),
-                str(error))
+    text = next((_text(e) for e in _chain(error) if is_collective_failure_text(_text(e))),
+                _text(error))
     # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
     first = _SOURCE_PREFIX.sub("", (text.strip().splitlines() or [""])[0])[:300]
     mine = peers[me].host if 0 <= me < len(peers) else "?"
