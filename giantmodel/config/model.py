@@ -222,8 +222,9 @@ class ModelConfig:
                            ("qkv_bias", (False,)), ("qk_norm", (False,)),
                            ("sliding_window", (None,)), ("partial_rotary_factor", (1.0,))):
             if getattr(self, key) not in plain:
+                use = "null" if plain[0] is None else repr(plain[0])
                 raise ConfigError(f"is not supported with multi-head latent attention "
-                                  f"(model.mla); use {plain[-1]!r}", f"model.{key}")
+                                  f"(model.mla); use {use}", f"model.{key}")
         if self.dim_per_head != self.mla.qk_head_dim:
             raise ConfigError(f"must be qk_nope_head_dim + qk_rope_head_dim "
                               f"({self.mla.qk_head_dim}) with model.mla, got {self.dim_per_head}",

@@ -98,9 +98,6 @@ class DeepseekV3Family(StackedExperts, Family):
     experts = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj",
                            bias="e_score_correction_bias")
 
-    def __init__(self):
-        self._noted: set[int] = set()
-
     def config_from_hf(self, hf: dict) -> dict:
         if hf.get("hidden_act", "silu") != "silu":
             raise UserInputError(f"deepseek_v3 hidden_act {hf['hidden_act']!r} is not "
@@ -179,11 +176,10 @@ class DeepseekV3Family(StackedExperts, Family):
                   cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
         m = _LAYER_INDEX.match(name)
         if m is not None and int(m.group(1)) >= cfg.num_layers:
-            idx = int(m.group(1))
-            if idx not in self._noted:
-                self._noted.add(idx)
-                log.warning("deepseek_v3: skipping model.layers.%d.* (a multi-token-prediction "
-                            "layer; giantmodel's DeepSeek-V3 has no MTP head)", idx)
+            # Noted once per MTP layer and read: on the projection every such layer has.
+            if name.endswith(".eh_proj.weight"):
+                log.warning("deepseek_v3: skipping model.layers.%s.* (a multi-token-prediction "
+                            "layer; giantmodel's DeepSeek-V3 has no MTP head)", m.group(1))
             return []
         return super().to_native(name, tensor, cfg)
 
