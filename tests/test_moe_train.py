@@ -181,8 +181,8 @@ def test_layouts_moe_does_not_support_yet_fail_before_launch(tmp_path):
         assert e.value.key == key
 
 
-def _dp_rank(rank, world, run_dir):
-    cfg = cfg_for(run_dir, "train.steps=3", "checkpoint.save_final=false")
+def _dp_rank(rank, world, run_dir, zero=0):
+    cfg = cfg_for(run_dir, "train.steps=3", "checkpoint.save_final=false", f"parallel.zero={zero}")
     t = Trainer(cfg)
     losses = [t.train_step()["loss"] for _ in range(3)]
     bias = [m.router.expert_bias.clone() for m in moe_layers(t.engine.parts[0])]
@@ -191,12 +191,14 @@ def _dp_rank(rank, world, run_dir):
 
 
 @pytest.mark.timeout(180)
-def test_dp2_sums_loads_over_ranks_like_one_process(tmp_path):
+@pytest.mark.parametrize("zero", [1, 3])
+def test_dp2_sums_loads_over_ranks_like_one_process(tmp_path, zero):
     """dp2 sees the global batch split over two ranks: with the loads summed
     over dp, each rank's bias after 3 steps is the single process's, and so
-    are the losses (auxiliary losses on)."""
+    are the losses (auxiliary losses on), with ZeRO-1's flat buffers and
+    ZeRO-3's FSDP2 (stacked expert weights sharded on dim 0) alike."""
     one = _dp_rank(0, 1, tmp_path / "one")
-    two = run_ranks(_dp_rank, 2, tmp_path / "two")
+    two = run_ranks(_dp_rank, 2, tmp_path / "two", zero)
     for losses, bias in two:
         assert losses == pytest.approx(one[0], rel=1e-5)
         for x, y in zip(bias, one[1]):
