@@ -97,5 +97,19 @@ class MLA(nn.Module):
         if cache is not None:
             out = cached_attention(q, *cache.update(k, v))
         else:
-            out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
+            out = self._attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        """The core on [B, H, T, D] tensors. Plain SDPA takes a value width
+        of its own; the packed-sequence kernels (varlen reshapes v by q's
+        width) and a replaced core (context parallelism) may not, so there v
+        is zero-padded to the query/key width and the output cut back: the
+        padded columns only ever produce zeros."""
+        if mask is None and type(self.core) is CausalSDPA:
+            return self.core(q, k, v)
+        pad = q.shape[-1] - v.shape[-1]
+        if pad > 0:
+            v = torch.nn.functional.pad(v, (0, pad))
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
+        return out[..., :self.v_dim] if pad > 0 else out
