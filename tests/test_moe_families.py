@@ -232,6 +232,9 @@ def test_config_checks_and_bad_input():
     with pytest.raises(UserInputError, match="model.mla"):
         to_hf(build_model(mixtral), ModelConfig(**{**mixtral.__dict__, "family": "deepseek_v3"}),
               "/nonexistent")
+    yarn = ModelConfig(**{**mixtral.__dict__, "rope_scaling": RopeScaling(type="yarn")})
+    with pytest.raises(UserInputError, match="model.rope_scaling.type"):
+        to_hf(build_model(yarn), yarn, "/nonexistent")
     with pytest.raises(UserInputError, match="'yarn'"):
         hf_config_to_model_config({**deepseek_hf(), "rope_scaling": {"type": "dynamic",
                                                                      "factor": 2.0}})
@@ -246,7 +249,6 @@ def test_config_checks_and_bad_input():
     with pytest.raises(ConfigError, match="model.mla.qk_rope_head_dim"):
         ModelConfig(num_kv_heads=None, head_dim=16,
                     mla=MLAConfig(qk_nope_head_dim=9, qk_rope_head_dim=7)).validate()
-    RopeScaling(type="yarn", factor=4.0)  # a yarn section is a plain config value
 
 
 def deepseek_hf() -> dict:

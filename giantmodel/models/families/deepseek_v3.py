@@ -161,9 +161,7 @@ class DeepseekV3Family(StackedExperts, Family):
                                  "(model.mla)")
         self.refuse(cfg, arch="llama", post_norms=False, embed_scale=False,
                     mlp_activation="silu")
-        if cfg.rope_scaling is not None and cfg.rope_scaling.type != "yarn":
-            raise UserInputError(f"model.rope_scaling.type={cfg.rope_scaling.type!r} cannot be "
-                                 "written in the deepseek_v3 format (it needs 'yarn' or none)")
+        self.refuse_rope(cfg, "yarn")
         m = cfg.moe
         self.refuse_moe(cfg, router="sigmoid", dense_layers=[], sparse_step=1,
                         shared_expert_gate=False)

@@ -145,3 +145,10 @@ class StackedExperts:
                     f"model.moe.{key}={have!r} cannot be written in the {self.name} format "
                     f"(it needs {want!r}); set model.family to a family that has it "
                     f"(giantmodel.models.families.supported())")
+
+    def refuse_rope(self, cfg, *types: str) -> None:
+        """RoPE scaling must be none or one of ``types`` (what config_to_hf writes)."""
+        s = cfg.rope_scaling
+        if s is not None and s.type not in types:
+            raise UserInputError(f"model.rope_scaling.type={s.type!r} cannot be written in the "
+                                 f"{self.name} format (it needs none or {', '.join(types)})")

@@ -55,6 +55,7 @@ class MixtralFamily(StackedExperts, MistralFamily):
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
         self.refuse(cfg, mla=None, post_norms=False, partial_rotary_factor=1.0)
+        self.refuse_rope(cfg, "llama3")
         self.refuse_moe(cfg, router="softmax", norm_topk_prob=True, n_group=1,
                         routed_scaling_factor=1.0, num_shared_experts=0, first_k_dense=0,
                         dense_layers=[], sparse_step=1, bias_update_rate=0.0)

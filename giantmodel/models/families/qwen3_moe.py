@@ -65,6 +65,7 @@ class Qwen3MoeFamily(StackedExperts, Qwen3Family):
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
         self.refuse(cfg, mla=None, post_norms=False, partial_rotary_factor=1.0)
+        self.refuse_rope(cfg, "llama3")
         self.refuse_moe(cfg, router="softmax", n_group=1, routed_scaling_factor=1.0,
                         num_shared_experts=0, bias_update_rate=0.0)
 
