@@ -112,7 +112,10 @@ class _CharTokenizer:
     eos_id = 1
 
     def encode(self, text: str) -> list[int]:
-        return [3 + ord(c) % 200 for c in text]
+        return [1 if c == "\x01" else 3 + ord(c) % 200 for c in text]
+
+    def id_to_token(self, i: int) -> str:
+        return "\x01" if i == 1 else chr(i - 3)
 
 
 def _chatml() -> ChatTemplate:
@@ -147,7 +150,8 @@ def test_trl_forms_render_and_score_only_the_answers(tmp_path):
     chat = rows.rows[1, 0]
     prompt = _chatml().prompt(user)
     answer = _chatml().render(user + [{"role": "assistant", "content": "yes"}]).text[len(prompt):]
-    assert int((chat[1] != IGNORE_INDEX).sum()) == len(answer) + 1
+    # the template's end of turn closes a conversational answer: no EOS added
+    assert int((chat[1] != IGNORE_INDEX).sum()) == len(answer)
 
 
 def test_truncation_follows_trl_and_is_counted():

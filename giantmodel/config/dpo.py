@@ -34,12 +34,12 @@ class DPOConfig:
     """Cache each pair's reference log-probs the first time the pair is seen (one reference forward per pair over the whole run) and reuse them on later epochs."""
     max_length: int | None = None
     """Longest prompt + answer in tokens (TRL's max_length); longer sequences are cut by truncation_mode. null: train.seq_len + 1, the most one row holds."""
-    max_prompt_length: int | None = 512
-    """Longest prompt in tokens; longer prompts keep their last tokens (TRL's rule). null: no limit."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens; longer prompts keep their last tokens (TRL 0.x's rule, applied before max_length). null: no limit (TRL 1.x)."""
     max_completion_length: int | None = None
     """Longest answer in tokens (its first tokens are kept). null: no limit."""
-    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    """When prompt + answer exceed max_length: keep_end drops the sequence's first tokens (the prompt's start), keep_start its last (the answer's end)."""
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_start"
+    """When prompt + answer exceed max_length: keep_start (TRL's default) drops the sequence's last tokens (the answer's end), keep_end its first (the prompt's start)."""
 
     def validate(self, seq_len: int) -> None:
         if self.loss_type not in LOSS_TYPES:

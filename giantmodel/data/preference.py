@@ -4,19 +4,22 @@ rejected answer to one prompt, in TRL's standard forms, as adjacent rows.
 Records (jsonl, json or Hugging Face datasets saved with ``save_to_disk``):
 
 * standard: ``{"prompt": str, "chosen": str, "rejected": str}``; the texts
-  are tokenized as they are (TRL applies no template to them either);
+  are tokenized as they are, EOS closing each answer (TRL applies no
+  template to them either);
 * conversational: ``chosen`` and ``rejected`` are message lists, with an
   explicit ``prompt`` message list, or none (then the longest common prefix
   of the two lists is the prompt). They are rendered with the chat template
   (:mod:`giantmodel.data.chat`): the prompt with the generation prompt, each
   answer as the rest of the whole conversation's text.
 
-As in TRL's ``DPOTrainer``, the prompt and each answer are tokenized
-separately, EOS is appended to each answer, and only answer tokens are
-scored. Truncation follows TRL: the prompt keeps its last
-``max_prompt_length`` tokens, each answer its first ``max_completion_length``,
-and a sequence over ``max_length`` keeps its end (``keep_end``, cutting the
-prompt's start) or its start (``keep_start``, cutting the answer's end).
+As in TRL's ``DPOTrainer`` (1.x), each prompt + answer is tokenized whole
+and only answer tokens are scored (:func:`tokenize_pair`). Truncation
+follows TRL: a sequence over ``max_length`` keeps its start (``keep_start``,
+TRL's default, cutting the answer's end) or its end (``keep_end``, cutting
+the prompt's start); TRL 0.x's ``max_prompt_length`` (the prompt keeps its
+last tokens) and ``max_completion_length`` (an answer keeps its first) are
+applied first when set. Every cut is counted; an answer left with no token
+fails, naming the record (TRL 1.x silently drops such pairs).
 
 A *pair row* is int64 ``[2, 3, seq_len + 1]``: the chosen row and the
 rejected row, each holding tokens, labels and document ids as an SFT row
@@ -37,7 +40,7 @@ import numpy as np
 
 from giantmodel.config.errors import ConfigError, UserInputError
 from giantmodel.core.loss import IGNORE_INDEX
-from giantmodel.data.chat import ROLES, ChatTemplate
+from giantmodel.data.chat import ROLES, ChatTemplate, token_string
 from giantmodel.data.conversations import read_records
 from giantmodel.data.samples import BlendedSamples, split_documents
 from giantmodel.data.sft import PAD_DOCUMENT
@@ -129,31 +132,37 @@ def read_pairs(paths: list[str]) -> list[tuple[str, tuple[Text, Text, Text]]]:
 
 # --------------------------------------------------------------------------- tokens
 
-def _render(template: ChatTemplate | None, prompt: Text, answer: Text, where: str
-            ) -> tuple[str, str]:
-    """Prompt text and answer text, the conversational form through the template."""
-    if isinstance(prompt, str):
-        return prompt, answer
-    if template is None:
-        raise UserInputError(f"{where}: a conversational record needs a chat template")
-    head = template.prompt(prompt)
-    full = template.render(prompt + answer).text
-    if not full.startswith(head):
-        raise UserInputError(f"{where}: chat template {template.name!r} does not render the "
-                             "prompt as a prefix of the whole conversation")
-    return head, full[len(head):]
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def tokenize_pair(tokenizer, template: ChatTemplate | None, pair: tuple[Text, Text, Text],
                   where: str) -> tuple[list[int], list[int], list[int]]:
-    """Token ids of the prompt, the chosen and the rejected answer (each
-    answer ends with EOS), tokenized separately as TRL does."""
+    """Token ids of the prompt, the chosen and the rejected answer, as TRL's
+    ``DPOTrainer`` makes them: each whole sequence (prompt + answer) is
+    tokenized at once -- a string one with EOS appended to the answer, a
+    conversational one rendered by the chat template (whose end-of-turn
+    closes the answer) -- and the answer starts where it stops sharing
+    tokens with the prompt tokenized alone (with the generation prompt)."""
     prompt, chosen, rejected = pair
-    p_text, c_text = _render(template, prompt, chosen, where)
-    _, r_text = _render(template, prompt, rejected, where)
-    eos = [tokenizer.eos_id]
-    return (list(tokenizer.encode(p_text)), list(tokenizer.encode(c_text)) + eos,
-            list(tokenizer.encode(r_text)) + eos)
+    if isinstance(prompt, str):
+        eos = token_string(tokenizer, tokenizer.eos_id)
+        prompt_ids = list(tokenizer.encode(prompt))
+        full = [list(tokenizer.encode(prompt + (a if a.endswith(eos) else a + eos)))
+                for a in (chosen, rejected)]
+    else:
+        if template is None:
+            raise UserInputError(f"{where}: a conversational record needs a chat template")
+        prompt_ids = list(tokenizer.encode(template.prompt(prompt)))
+        full = [list(tokenizer.encode(template.render(prompt + a).text))
+                for a in (chosen, rejected)]
+    n = min(_common_prefix(prompt_ids, full[0]), _common_prefix(prompt_ids, full[1]))
+    return prompt_ids[:n], full[0][n:], full[1][n:]
 
 
 def truncate_pair(prompt: list[int], chosen: list[int], rejected: list[int], t: Truncation,

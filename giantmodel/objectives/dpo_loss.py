@@ -3,14 +3,16 @@
 Inputs are per-pair tensors ``[P]``: the summed log-probs of the chosen and
 the rejected answer under the policy (and the reference), and the number of
 scored tokens of each. Each loss returns ``(losses [P], chosen rewards [P],
-rejected rewards [P], chosen logps [P], rejected logps [P])``; the logps are
-the ones the loss used (length-averaged for ipo, simpo and orpo, as in TRL),
-which is what TRL logs as ``logps/chosen`` and ``logps/rejected``.
+rejected rewards [P], chosen logps [P], rejected logps [P])``, as TRL logs
+them: rewards are ``beta`` times the policy/reference log-ratio of the
+summed logps (ipo's loss alone averages it per token), and for the
+reference-free simpo and orpo ``beta`` times the length-averaged logps.
 
 * sigmoid (DPO, Rafailov et al. 2023), with label smoothing (cDPO);
 * robust (Chowdhury et al. 2024): unbiased under preference noise ``ls``;
 * hinge (SLiC): ``relu(1 - beta * h)``;
-* ipo (Azar et al. 2023): ``(h - 1 / (2 beta))^2`` on length-averaged logps;
+* ipo (Azar et al. 2023): ``(h - 1 / (2 beta))^2``, each answer's log-ratio
+  averaged over its tokens;
 * simpo (Meng et al. 2024): reference-free, ``-log sigmoid(beta * (avg_c -
   avg_r) - gamma)``;
 * orpo (Hong et al. 2024): reference-free, the chosen answer's mean NLL minus
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from giantmodel.config.dpo import DPOConfig
 
-LENGTH_AVERAGED = ("ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # length-averaged logps, no reference (TRL's CPO/ORPO)
 
 
 def preference_loss(cfg: DPOConfig, policy: torch.Tensor, counts: torch.Tensor,
@@ -36,9 +38,8 @@ def preference_loss(cfg: DPOConfig, policy: torch.Tensor, counts: torch.Tensor,
     docstring for what is returned."""
     kind, beta, ls = cfg.loss_type, cfg.beta, cfg.label_smoothing
     counts = counts.to(policy.dtype)
-    if kind in LENGTH_AVERAGED:
+    if kind in REFERENCE_FREE:
         policy = policy / counts
-        reference = None if reference is None else reference / counts
     pc, pr = policy[0], policy[1]
     if kind == "simpo":
         logits = beta * (pc - pr) - cfg.simpo_gamma
@@ -59,7 +60,9 @@ def preference_loss(cfg: DPOConfig, policy: torch.Tensor, counts: torch.Tensor,
     elif kind == "hinge":
         losses = torch.relu(1 - beta * h)
     elif kind == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
+        # Each answer's log-ratio averaged over its tokens (TRL's IPO).
+        ratios = (policy - reference) / counts
+        losses = (ratios[0] - ratios[1] - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown preference loss {kind!r}")
     rewards_c = beta * (pc - rc).detach()
