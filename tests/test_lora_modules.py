@@ -364,3 +364,26 @@ def test_selective_recompute_gives_the_adapters_the_same_gradients(arch):
     assert ref.keys() == sel.keys() and ref
     for n in ref:
         torch.testing.assert_close(sel[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_all_linear_on_an_moe_model_adapts_attention_and_dense_layers_only():
+    """Routed experts are stacked 3-D weights, not linears: all_linear adapts
+    the attention of every block and the feed-forward of the dense ones."""
+    from giantmodel.config import load_config
+    from giantmodel.models.lora import LoRALinear, apply_lora
+    from giantmodel.models.registry import build_model
+
+    cfg = load_config("configs/moe/tiny.yaml", ["model.num_layers=2"])
+    model = build_model(cfg.model, device="meta")
+    done = apply_lora(model, ["all_linear"], rank=4, alpha=8)
+    assert done and all(isinstance(model.get_submodule(p), LoRALinear) for p in done)
+    assert any(".attention." in p for p in done)
+    moe_blocks = [i for i, b in model.layers.items() if not hasattr(b.feed_forward, "w1")]
+    assert moe_blocks, "the tiny MoE config has no MoE block"
+    assert not any(p.startswith(f"layers.{i}.feed_forward") for i in moe_blocks for p in done)
+    with pytest.raises(ValueError, match="routed experts cannot take adapters"):
+        only_moe = build_model(cfg.model, device="meta")
+        for i in list(only_moe.layers):
+            if i not in moe_blocks:
+                del only_moe.layers[i]
+        apply_lora(only_moe, ["gate_proj"], rank=4, alpha=8)

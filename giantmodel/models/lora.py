@@ -139,12 +139,21 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float,
     for idx, block in model.layers.items():
         for path in block_targets(targets, arch):
             parent_path, leaf = path.rsplit(".", 1)
-            parent = block.get_submodule(parent_path)
-            base = getattr(parent, leaf)
+            try:
+                parent = block.get_submodule(parent_path)
+            except AttributeError:
+                parent = None
+            base = getattr(parent, leaf, None)
+            # An MoE block's routed experts are stacked 3-D weights and an MLA
+            # block has no wq/wk/wv: those blocks keep such targets unadapted.
             if not isinstance(base, nn.Linear):
-                raise TypeError(f"layers.{idx}.{path} is {type(base).__name__}, not nn.Linear")
+                continue
             setattr(parent, leaf, LoRALinear.from_linear(base, rank, alpha, dropout))
             done.append(f"layers.{idx}.{path}")
+    if not done and model.layers:
+        raise ValueError(f"LoRA targets {targets} match no linear of this model's blocks "
+                         "(routed experts cannot take adapters; name attention projections "
+                         "or dense feed-forward linears, or use all_linear)")
     return done
 
 
