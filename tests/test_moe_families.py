@@ -331,3 +331,15 @@ def test_mla_packed_documents_and_kv_cache():
         model(tokens[:, :15], cache=cache)
         step = model(tokens[:, 15:16], cache=cache)
         assert _max_diff(step[:, -1], model(tokens[:, :16])[:, -1]) <= TOL
+
+
+def test_latent_attention_refuses_tensor_parallelism_before_launch():
+    from giantmodel.config import ConfigError, load_config
+
+    from giantmodel.distributed.parallel_dims import ParallelDims
+
+    cfg = load_config("configs/moe/deepseek-v3.yaml", ["parallel.tp=2", "parallel.pp=1",
+                                                       "parallel.ep=1", "parallel.dp=1",
+                                                       "parallel.pp_layers=null"])
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        ParallelDims.from_config(cfg, 2)

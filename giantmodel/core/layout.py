@@ -98,6 +98,12 @@ def validate_layout(*, degrees: dict[str, int], rank_layout, model: ModelConfig,
 
 def _check_tensor_parallel(tp: int, model: ModelConfig, train: TrainConfig,
                            parallel: ParallelConfig) -> None:
+    if getattr(model, "mla", None) is not None:
+        # the tp plan shards wq/wk/wv by heads; latent attention's low-rank
+        # projections have no such plan yet
+        raise ConfigError(f"parallel.tp={tp} with multi-head latent attention (model.mla) is "
+                          "not supported yet; use parallel.tp=1 (pp, ZeRO and ep work)",
+                          "parallel.tp")
     for key, value in (("num_heads", model.num_heads), ("num_kv_heads", model.kv_heads),
                        ("ffn_hidden_size", model.ffn_hidden_size),
                        ("vocab_size", model.vocab_size)):
