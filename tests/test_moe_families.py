@@ -335,7 +335,6 @@ def test_mla_packed_documents_and_kv_cache():
 
 def test_latent_attention_refuses_tensor_parallelism_before_launch():
     from giantmodel.config import ConfigError, load_config
-
     from giantmodel.distributed.parallel_dims import ParallelDims
 
     cfg = load_config("configs/moe/deepseek-v3.yaml", ["parallel.tp=2", "parallel.pp=1",
