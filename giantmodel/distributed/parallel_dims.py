@@ -113,6 +113,10 @@ class ParallelDims:
             raise ConfigError(f"ep={self.ep} does not divide the dp x cp = {self.dp} x {self.cp} "
                               "ranks it borrows from; raise parallel.dp or lower parallel.ep",
                               "parallel.ep")
+        if self.pp > 1 and cfg.parallel.zero >= 2:
+            # Not proven: FSDP2 units of experts inside pipeline stages hang.
+            raise ConfigError(f"ep={self.ep} with pipeline stages runs ZeRO 0 or 1 only; set "
+                              "parallel.zero to 0 or 1", "parallel.zero")
 
     @property
     def edp(self) -> int:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from giantmodel.core import compat
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor
+from giantmodel.models.common.moe import moe_layers
 from giantmodel.models.registry import canonical_name
 from giantmodel.parallel.collectives import all_reduce_sum_, sum_scalar
 from giantmodel.parallel.objective import Objective, StageSpec
@@ -90,6 +91,8 @@ class PipelineRunner:
             for part, sid in zip(self.parts, self.stage_ids):
                 if sid < self.plan.num_stages - 1:
                     part.register_forward_hook(self._check_sendable)
+        for part in self.parts:
+            _forget_first_moe_forward(part)
         cls = _SCHEDULES[self.plan.schedule]
         # scale_grads=False: the loss is already divided by the global loss units.
         self._schedule = cls(stages if self.plan.multi_stage else stages[0], self.plan.n_micro,
@@ -351,3 +354,22 @@ def recv_activation(src: int, group, device: torch.device, mesh_by_names) -> tor
     names, placements, global_shape, stride = layout
     return DTensor.from_local(out, mesh_by_names(names), placements, run_check=False,
                               shape=torch.Size(global_shape), stride=stride)
+
+
+def _forget_first_moe_forward(part: nn.Module) -> None:
+    """The schedule's first step infers activation shapes with one extra
+    forward of each stage before its first micro-batch (past the first
+    stage, on empty tensors). MoE layers would count its routing in the
+    step's expert loads (and so in the bias update): drop what that forward
+    recorded, once."""
+    layers = moe_layers(part)
+    if not layers:
+        return
+
+    def forget(module, args, output) -> None:
+        for layer in layers:
+            layer.stats.zero_()
+            layer.take_aux_loss()
+        handle.remove()
+
+    handle = part.register_forward_hook(forget)
