@@ -31,11 +31,15 @@ FAST_2 = [
 ]
 FAST_4 = [
     ["parallel.ep=2", "parallel.dp=4", "parallel.zero=3"],
+    ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1"],
     ["parallel.ep=4"],
 ]
 SLOW_2 = [
     ["parallel.ep=2", "parallel.zero=2"],
     ["parallel.ep=2", "parallel.zero=3"],
+    # MoE blocks under tp without ep: the layer runs whole on every tp rank
+    ["parallel.tp=2"],
+    ["parallel.tp=2", "parallel.sp=true"],
 ]
 SLOW_4 = [
     ["parallel.ep=2", "parallel.dp=4"],
@@ -44,6 +48,8 @@ SLOW_4 = [
     ["parallel.ep=2", "parallel.pp=2", "parallel.dp=2", *NO_AUX],
     ["parallel.ep=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1", *NO_AUX],
     ["parallel.ep=4", "parallel.zero=1"],
+    ["parallel.ep=2", "parallel.tp=2"],
+    ["parallel.ep=2", "parallel.tp=2", "parallel.zero=3"],
     ["parallel.ep=2", "parallel.dp=2", "parallel.cp=2", "parallel.zero=1", *NO_AUX],
 ]
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from giantmodel.core.loss import IGNORE_INDEX, cross_entropy_sum
+from giantmodel.models.common.moe import MoE
 
 
 def _block_plan(sp: bool, rope: bool) -> dict:
@@ -66,6 +67,28 @@ def _block_plan(sp: bool, rope: bool) -> dict:
     if sp:
         plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     return plan
+
+
+def _moe_plan(sp: bool) -> dict:
+    """An MoE feed-forward is not split by tp (expert tensor parallelism of
+    1; expert parallelism splits the experts): every tp rank runs the router,
+    its experts and the shared experts on the whole, identical tokens, and
+    their weights stay plain tensors whose gradients agree across tp. Under
+    sp the layer takes the sequence gathered and gives back its own shard."""
+    return {"feed_forward": _GatheredModule()} if sp else {}
+
+
+class _GatheredModule(ParallelStyle):
+    """Sequence-sharded DTensor in, whole local tensor to the module, its
+    output back as the sequence-sharded DTensor (no reduction: the module's
+    output is the same on every tp rank)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                           use_local_output=True)._apply(module, device_mesh)
+        PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                            use_local_output=False)._apply(module, device_mesh)
+        return module
 
 
 def _qk_norm_plan(block: nn.Module) -> dict:
@@ -129,7 +152,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = _block_plan(sp, rope=getattr(model, "uses_rope", True))
-        if hasattr(block.feed_forward, "w3"):
+        if isinstance(block.feed_forward, MoE):
+            plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+            plan.update(_moe_plan(sp))
+        elif hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
         plan.update(_qk_norm_plan(block))
         plan.update(_post_norm_plan(block, sp))
