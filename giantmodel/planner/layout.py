@@ -68,6 +68,9 @@ class Layout:
     optim_impl: str = "auto"
     """AdamW kernel (``optim.impl``): foreach allocates a temporary the size
     of the optimizer's parameters in each step; fused (auto, on CUDA and CPU) does not."""
+    ep: int = 1
+    """Expert parallelism (``parallel.ep``): routed experts split over ep of the dp x cp
+    ranks, their states sharded over the (dp x cp) / ep ranks holding the same experts."""
 
     def layer_modes(self, pp_rank: int) -> list[str]:
         """Recompute mode of each block that pipeline rank ``pp_rank`` runs."""
@@ -112,6 +115,8 @@ class Layout:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), pp, f"dp{self.dp}", zero]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts.append(f"mb{self.micro_batch}x{self.n_micro}")
         if self.recompute_layers is None:
             parts.append(f"rc:{self.recompute}")
@@ -147,7 +152,7 @@ def resolve_layout(cfg, cluster: Cluster) -> Layout:
         micro_batch=micro_batch, n_micro=n_micro, seq_len=cfg.train.seq_len,
         precision=cfg.precision, recompute=cfg.recompute,
         offload_activations=cfg.offload.activations, stage_layers=tuple(split),
-        bucket_mb=p.bucket_mb,
+        bucket_mb=p.bucket_mb, ep=dims.ep,
         recompute_layers=tuple(cfg.recompute_layers) if cfg.recompute_layers else None,
         **job_fields(cfg))
 

@@ -53,6 +53,14 @@ from giantmodel.planner.head import (
     head_weight_copy,
 )
 from giantmodel.planner.layout import Layout
+from giantmodel.planner.moe import (
+    dense_layer_config,
+    expert_numel,
+    inactive_params,
+    is_expert,
+    layer_counts,
+    sparse_layer_config,
+)
 from giantmodel.planner.terms import (  # noqa: F401  (re-exported)
     DTYPE_BYTES,
     Term,
@@ -77,8 +85,12 @@ class Param:
     shape: tuple[int, ...]
     tp_dim: int | None
     """Dimension split by tensor parallelism (None: replicated)."""
+    expert: bool = False
+    """A routed expert's stacked weight: dim 0 (the experts) split by ep, never by tp."""
 
-    def local_shape(self, tp: int) -> tuple[int, ...]:
+    def local_shape(self, tp: int, ep: int = 1) -> tuple[int, ...]:
+        if self.expert:
+            return (self.shape[0] // ep,) + self.shape[1:]
         if self.tp_dim is None or tp == 1:
             return self.shape
         s = list(self.shape)
@@ -108,12 +120,14 @@ class ParamTable:
     final: tuple[Param, ...]
     head: tuple[Param, ...]
     tied: bool
+    dense_layer: tuple[Param, ...] = ()
+    """An MoE model's dense block (``layer`` is its MoE block); empty otherwise."""
 
-    def layer_numel(self, tp: int = 1) -> int:
-        return _numel_cached(self, tp, False)
+    def layer_numel(self, tp: int = 1, ep: int = 1) -> int:
+        return _numel_cached(self, tp, False, ep)
 
-    def layer_linear_numel(self, tp: int = 1) -> int:
-        return _numel_cached(self, tp, True)
+    def layer_linear_numel(self, tp: int = 1, ep: int = 1) -> int:
+        return _numel_cached(self, tp, True, ep)
 
     def head_linear_numel(self, tp: int = 1) -> int:
         head = self.head or tuple(p for p in self.embed if p.name.startswith("tok_"))
@@ -121,14 +135,25 @@ class ParamTable:
 
 
 @functools.lru_cache(maxsize=4096)
-def _numel_cached(table: ParamTable, tp: int, linear_only: bool) -> int:
-    return sum(math.prod(p.local_shape(tp)) for p in table.layer
+def _numel_cached(table: ParamTable, tp: int, linear_only: bool, ep: int = 1) -> int:
+    return sum(math.prod(p.local_shape(tp, ep)) for p in table.layer
                if not linear_only or _is_linear(p.name))
+
+
+# Linears autocast casts (MLA's projections among them); routed experts'
+# stacked weights are cast by their GEMMs alike. The router computes in fp32.
+_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "wq_a", "wq_b", "wkv_a", "wkv_b")
 
 
 def _is_linear(name: str) -> bool:
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+    return len(parts) >= 2 and (parts[-2] in _LINEARS or is_expert(name))
+
+
+def linear_numel(params) -> int:
+    """Matmul weights (no biases) among ``params``: what 6 N counts."""
+    return sum(math.prod(p.shape) for p in params
+               if _is_linear(p.name) and not p.name.endswith("bias"))
 
 
 _NOT_SHAPE = ("name", "family", "init_std", "norm_eps", "rope_theta", "rope_scaling")
@@ -150,24 +175,37 @@ def _param_table(key: tuple, model_cfg_obj) -> ParamTable:
     if key in _TABLES:
         return _TABLES[key]
 
-    one = copy.copy(model_cfg_obj)
+    moe = model_cfg_obj.moe is not None
+    # an MoE model's table holds its MoE block; its dense blocks apart
+    one = sparse_layer_config(model_cfg_obj) if moe else copy.copy(model_cfg_obj)
     one.num_layers = 1
+    groups = _named_params(one)
+    dense = ()
+    if moe and layer_counts(model_cfg_obj)[0]:
+        plain = dense_layer_config(one)
+        dense = tuple(_named_params(plain)["layer"])
+    table = ParamTable(*(tuple(groups[k]) for k in ("embed", "layer", "final", "head")),
+                       tied=model_cfg_obj.tie_embeddings, dense_layer=dense)
+    _TABLES[key] = table
+    return table
+
+
+def _named_params(one) -> dict[str, list[Param]]:
+    """A one-block model's parameters on the meta device, by part."""
     model = build_model(one, device="meta")
     groups: dict[str, list[Param]] = {"embed": [], "layer": [], "final": [], "head": []}
     for name, p in model.named_parameters():  # tied head weight appears once
-        prm = Param(name, tuple(p.shape), _tp_dim(name))
+        prm = Param(name, tuple(p.shape), _tp_dim(name), is_expert(name))
         if name.startswith(("tok_embeddings", "pos_embeddings")):
             groups["embed"].append(prm)
         elif name.startswith("layers."):
-            groups["layer"].append(Param(name.split(".", 2)[2], prm.shape, prm.tp_dim))
+            groups["layer"].append(Param(name.split(".", 2)[2], prm.shape, prm.tp_dim,
+                                         prm.expert))
         elif name.startswith("norm"):
             groups["final"].append(prm)
         else:
             groups["head"].append(prm)
-    table = ParamTable(*(tuple(groups[k]) for k in ("embed", "layer", "final", "head")),
-                       tied=model_cfg_obj.tie_embeddings)
-    _TABLES[key] = table
-    return table
+    return groups
 
 
 def param_table(model_cfg) -> ParamTable:
@@ -178,8 +216,32 @@ def param_table(model_cfg) -> ParamTable:
 def model_param_count(m) -> int:
     """Parameters of the whole model, from the table (a tied head once)."""
     t = param_table(m)
+    dense, sparse = layer_counts(m)
+    if not sparse:
+        return sum(math.prod(p.shape) for p in t.embed + t.final + t.head) \
+            + m.num_layers * t.layer_numel(1)
     return sum(math.prod(p.shape) for p in t.embed + t.final + t.head) \
-        + m.num_layers * t.layer_numel(1)
+        + sparse * t.layer_numel(1) + dense * sum(math.prod(p.shape) for p in t.dense_layer)
+
+
+def active_matmul_params(m) -> float:
+    """Matmul weights (no biases) a token runs through in all blocks: each
+    MoE block's router, shared experts, attention and top_k routed experts,
+    and the dense blocks whole. For a dense model, L x one block's."""
+    table = param_table(m)
+    dense, sparse = layer_counts(m)
+    if not sparse:
+        return m.num_layers * linear_numel(table.layer)
+    routed = m.moe.top_k * expert_numel(m)
+    moe_layer = linear_numel([p for p in table.layer if not p.expert]) + routed
+    router = sum(math.prod(p.shape) for p in table.layer if p.name.endswith("router.gate.weight"))
+    return sparse * (moe_layer + router) + dense * linear_numel(table.dense_layer)
+
+
+def model_active_param_count(m) -> int:
+    """Parameters one token runs through: the total less the routed experts
+    it is not sent to (E - top_k per MoE block); the total for a dense model."""
+    return model_param_count(m) - inactive_params(m)
 
 
 def stage_param_list(table: ParamTable, stage: int, num_stages: int,
@@ -196,9 +258,11 @@ def stage_param_list(table: ParamTable, stage: int, num_stages: int,
 
 
 def stage_params(table: ParamTable, stage: int, num_stages: int, n_layers: int,
-                 tp: int) -> list[tuple[int, ...]]:
-    """Local (post-TP) shapes of every parameter on one pipeline stage."""
-    return [p.local_shape(tp) for p, _ in stage_param_list(table, stage, num_stages, n_layers)]
+                 tp: int, ep: int = 1, experts: bool | None = None) -> list[tuple[int, ...]]:
+    """Local (post-TP, post-EP) shapes of every parameter on one pipeline
+    stage; ``experts``: only the routed experts' (True) or only the others' (False)."""
+    return [p.local_shape(tp, ep) for p, _ in stage_param_list(table, stage, num_stages, n_layers)
+            if experts is None or p.expert == experts]
 
 
 def shard_numel(shape: tuple[int, ...], degree: int, rank: int = 0) -> int:
@@ -522,21 +586,32 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
     shard_degree = layout.dp_shard * layout.cp
     key = (_model_key(m), stages, tuple(layout.stage_layers[s] for s in stages), ns, layout.tp,
            layout.zero, shard_degree, style, layout.dp_replicate, layout.pp, layout.bucket_mb,
+           layout.ep,
            layout.lora_rank, layout.lora_paths, layout.lora_nf4, on_accelerator(hw),
            # a frozen base's dtypes (giantmodel.planner.frozen)
            (layout.precision, layout.sp) if layout.lora_rank else None)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
+        experts: list[tuple[int, ...]] = []
         for s in stages:
-            shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp)
+            shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp, experts=False)
+            experts += stage_params(table, s, ns, layout.stage_layers[s], layout.tp, layout.ep,
+                                    experts=True)
         strategy = layout_strategy(table, layout, hw)
         if layout.lora_rank:
             n_layers = sum(layout.stage_layers[s] for s in stages)
             states = _lora_states(table, layout, stages, n_layers, shard_degree, style,
                                   strategy)
+            shapes += experts
         else:
             states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,
                                        strategy=strategy, bucket_mb=layout.bucket_mb)
+            if experts:
+                # each rank's ep shard, its states sharded over the edp ranks holding it
+                own = model_state_bytes(experts, layout.zero, shard_degree // layout.ep, style,
+                                        0, strategy=strategy, bucket_mb=layout.bucket_mb)
+                states = {k: states[k] + own[k] for k in states}
+            shapes += experts
             if strategy == "fsdp" and layout.pp > 1:
                 # torch's pipeline schedules turn FSDP2's gradient sync off
                 # until the last micro-batch: each unit accumulates unsharded
@@ -571,7 +646,8 @@ def own_buffer_geometry(table: ParamTable, layout: Layout) -> tuple[float, float
         for r in range(layout.pp):
             sizes = tuple(math.prod(shape) for s in layout.rank_stages(r)
                           for shape in stage_params(table, s, layout.num_stages,
-                                                    layout.stage_layers[s], layout.tp))
+                                                    layout.stage_layers[s], layout.tp,
+                                                    layout.ep))
             p, f = _geometry(sizes, n, bucket)
             pad, first = max(pad, p), max(first, f)
     return pad, first
@@ -591,7 +667,7 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     states, local_full = _rank_states(m, table, layout, tuple(stages), style, hw)
     comp: dict[str, float] = dict(states)
     c = DTYPE_BYTES[layout.precision]
-    layer_local = table.layer_numel(layout.tp)
+    layer_local = table.layer_numel(layout.tp, layout.ep)
     n_layers = sum(layout.stage_layers[st] for st in stages)
     # Working weights: autocast keeps a low-precision copy of each linear
     # weight until backward (zero 0/1; not for blocks a full recompute
@@ -612,7 +688,7 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                                                       head_copy, style, hw) * c
     elif c < 4:
         lin = table.head_linear_numel(layout.tp) if head_copy else 0
-        lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp)
+        lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp, layout.ep)
         comp["working_weights"] = lin * c
     else:
         comp["working_weights"] = 0
@@ -709,7 +785,7 @@ def zero3_kept_numel(m, layout: Layout) -> tuple[float, bool]:
     if layout.zero != 3 or layout.pp > 1 or not layout.keep_gathered_numel:
         return 0.0, False
     table = param_table(m)
-    layer = table.layer_numel(layout.tp)
+    layer = table.layer_numel(layout.tp, layout.ep)
     edges = sum(math.prod(p.local_shape(layout.tp)) for p in table.embed + table.head + table.final)
     keep, keep_edges = kept_gathered([layer] * m.num_layers, edges, layout.keep_gathered_numel)
     kept = sum(keep) * layer + (edges if keep_edges else 0)

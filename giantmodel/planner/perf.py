@@ -65,6 +65,7 @@ from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import (
     DTYPE_BYTES,
     MIB,
+    active_matmul_params,
     cp_masked_attention,
     layer_activation_bytes,
     layout_strategy,
@@ -75,6 +76,13 @@ from giantmodel.planner.memory import (
     param_table,
     stage_params,
     zero3_kept_numel,
+)
+from giantmodel.planner.moe import (
+    attention_width,
+    dispatch_combine_time,
+    expert_gemm_time,
+    mla_matmul_shapes,
+    shared_matmul_shapes,
 )
 
 
@@ -218,9 +226,11 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     mode = mode or layout.recompute
     t, cp, prec = layout.tp, layout.cp, layout.precision
     tokens = layout.micro_batch * layout.seq_len / cp
-    q = m.num_heads * m.dim_per_head
+    q = attention_width(m)
     # one GEMM per weight, as the blocks run them (wq, wk and wv apart; w1 and w3 apart)
     gemm = sum(gemm_time(hw, prec, tokens, k, n) for k, n in _block_matmul_shapes(m, t).values())
+    if m.moe is not None:   # the routed experts (the router is fp32, in the shapes)
+        gemm += expert_gemm_time(m, layout, hw, tokens)
     attn_flops = 4.0 * layout.micro_batch * attention_pairs(m, layout.seq_len) * q / (t * cp)
     masked = opts.cp_masked_attention
     if cp > 1 and (cp_masked_attention(m) if masked is None else masked):
@@ -230,6 +240,9 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
                                       t, layout.sp, cp).values())
     elem = mem_time(hw, 2.0 * none)   # each saved tensor written once, read once
     comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)
+    if m.moe is not None:   # dispatch + combine; selective keeps the dispatched rows
+        a2a_f, a2a_b = dispatch_combine_time(m, layout, hw, cluster, tokens)
+        comm_f, comm_b = comm_f + a2a_f, comm_b + a2a_b
     adapters = _adapter_gemm_time(m, layout, hw, tokens)
     fwd = gemm + adapters + attn + elem + comm_f
     # backward: input and weight gradients; a frozen base (LoRA) needs the
@@ -337,11 +350,19 @@ def edge_fractions(layout: Layout) -> tuple[float, float]:
 
 
 def _block_matmul_shapes(m, t: int) -> dict[str, tuple[float, float]]:
-    """(k, n) of each block matmul on one tensor-parallel rank, by weight name."""
+    """(k, n) of each block matmul on one tensor-parallel rank, by weight name
+    (an MoE block's shared experts and router; its routed experts apart,
+    :func:`giantmodel.planner.moe.expert_gemm_time`)."""
     h, f = m.hidden_size, m.ffn_hidden_size
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
-    shapes = {"wq": (h, q / t), "wk": (h, kv / t), "wv": (h, kv / t), "wo": (q / t, h),
-              "w1": (h, f / t), "w2": (f / t, h)}
+    if m.mla is not None:
+        shapes = mla_matmul_shapes(m)
+    else:
+        shapes = {"wq": (h, q / t), "wk": (h, kv / t), "wv": (h, kv / t), "wo": (q / t, h)}
+    if m.moe is not None:
+        # the router is fp32 and small: costed at the compute dtype's rate with the rest
+        return {**shapes, **shared_matmul_shapes(m, t), "router": (h, m.moe.num_experts)}
+    shapes.update({"w1": (h, f / t), "w2": (f / t, h)})
     if m.arch == "llama":
         shapes["w3"] = (h, f / t)
     return shapes
@@ -394,13 +415,14 @@ def attention_pairs(m, seq_len: int) -> float:
 
 
 def model_flops_per_step(m, global_batch: int, seq_len: int) -> float:
-    table = param_table(m)
-    p_mm = table.layer_linear_numel(1) - _bias_numel(table)
+    """Model FLOPs of one step: 6 x the matmul weights a token runs through
+    (MoE: the active ones, top_k routed experts, shared experts and router,
+    as Megatron-Core counts them) plus the head, plus attention."""
     # attention: Narayanan et al.'s 12 s^2 per layer and head width is 24 x
     # the s^2 / 2 causal pairs; a window counts the pairs it scores
-    return (6.0 * global_batch * seq_len * (m.num_layers * p_mm + m.vocab_size * m.hidden_size)
+    return (6.0 * global_batch * seq_len * (active_matmul_params(m) + m.vocab_size * m.hidden_size)
             + 24.0 * global_batch * attention_pairs(m, seq_len) * m.num_layers
-            * m.num_heads * m.dim_per_head)
+            * attention_width(m))
 
 
 def lora_flops_per_step(m, layout: Layout, global_batch: int) -> float:
@@ -537,7 +559,7 @@ def _with_host_time(hw, fwd: float, bwd: float, host: float) -> tuple[float, flo
 
 def _local_params(m, layout: Layout) -> float:
     table = param_table(m)
-    return (m.num_layers / layout.pp * table.layer_numel(layout.tp)
+    return (m.num_layers / layout.pp * table.layer_numel(layout.tp, layout.ep)
             + sum(_numel(p, layout.tp) for p in table.embed + table.head + table.final)
             / layout.pp)
 

@@ -14,6 +14,7 @@ trainer's own layout validation before they are reported.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -39,11 +40,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_options(m, cluster: Cluster) -> list[int]:
+    if m.mla is not None:   # latent attention is refused under tp (parallel.tp)
+        return [1]
     out = []
     for t in _divisors(cluster.gpus_per_node):
         if all(v % t == 0 for v in (m.num_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size)):
             out.append(t)
     return out
+
+
+def ep_options(m, dp_cp: int) -> list[int]:
+    """Expert-parallel degrees: divisors of the routed experts that divide the
+    dp x cp ranks ep borrows (parallel.ep's rule); 1 for a dense model."""
+    if m.moe is None:
+        return [1]
+    return [e for e in _divisors(m.moe.num_experts) if dp_cp % e == 0]
 
 
 _SPLITS: dict[tuple, tuple[int, ...]] = {}
@@ -94,16 +105,18 @@ def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
                             hs = cluster.gpus_per_node // (tp * cp)
                             if zero >= 2 and hs > 1 and dp > hs and dp % hs == 0:
                                 groups.append(hs)
-                            for shard in groups if zero else [1]:
-                                for sp in ((False, True) if tp > 1 else (False,)):
-                                    yield Layout(
-                                        tp=tp, pp=pp, dp=dp, dp_shard=shard, cp=cp, sp=sp,
-                                        zero=zero, virtual=v, schedule=sched, micro_batch=mb,
-                                        n_micro=n_micro, seq_len=seq, precision=cfg.precision,
-                                        recompute=recompute,
-                                        offload_activations=offload_activations,
-                                        stage_layers=split,
-                                        bucket_mb=cfg.parallel.bucket_mb, **job)
+                            for shard, sp, ep in itertools.product(
+                                    groups if zero else [1],
+                                    (False, True) if tp > 1 else (False,),
+                                    ep_options(m, dp * cp)):
+                                yield Layout(
+                                    tp=tp, pp=pp, dp=dp, dp_shard=shard, cp=cp, sp=sp,
+                                    zero=zero, virtual=v, schedule=sched, micro_batch=mb,
+                                    n_micro=n_micro, seq_len=seq, precision=cfg.precision,
+                                    recompute=recompute,
+                                    offload_activations=offload_activations,
+                                    stage_layers=split, ep=ep,
+                                    bucket_mb=cfg.parallel.bucket_mb, **job)
 
 
 def least_recompute_that_fits(m, layout: Layout, hw, cluster: Cluster | None = None,
@@ -192,6 +205,7 @@ def apply_layout(cfg, layout: Layout):
     p = out.parallel
     p.tp, p.pp, p.cp, p.sp, p.zero = layout.tp, layout.pp, layout.cp, layout.sp, layout.zero
     p.dp = layout.dp
+    p.ep = layout.ep
     p.pp_virtual = layout.virtual
     p.pp_schedule = layout.schedule
     # the split the planner costed, written out so the trainer runs that one
@@ -244,6 +258,7 @@ def smallest_fitting_cluster(cfg, hw, gpus_per_node: int, max_nodes: int = 4096)
                                 precision=cfg.precision, recompute="full",
                                 offload_activations=offloads_to_host(hw),
                                 stage_layers=_split(m, cfg.train.seq_len, pp),
+                                ep=max(ep_options(m, dp)),
                                 bucket_mb=cfg.parallel.bucket_mb, **job_fields(cfg))
                 if memory_report(m, layout, hw).fits:
                     return cluster

@@ -45,7 +45,9 @@ def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = No
         terms += norm("attention_norm")
         if m.qk_norm:
             terms += qk_norm_terms(m)
-        terms += [Term("attention.input", c * h if shared else 3 * c * h if cast else 4 * h,
+        if m.mla is not None:
+            terms += mla_terms(m, precision, cast)
+        terms += [] if m.mla is not None else [Term("attention.input", c * h if shared else 3 * c * h if cast else 4 * h,
                        "full"),
                   Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
                   Term("attention.v", c * kv, "tp", kv=True),
@@ -53,7 +55,10 @@ def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = No
                   # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
                   Term("attention.core_out", c * q, "tp")]
         terms += norm("ffn_norm")
-        terms += [Term("feed_forward.input", c * h if shared else 2 * c * h if cast else 4 * h,
+        if m.moe is not None:   # the shared experts read the normed stream as a SwiGLU does
+            terms += moe_ffn_terms(m, precision)
+        terms += [] if m.moe is not None else [
+                  Term("feed_forward.input", c * h if shared else 2 * c * h if cast else 4 * h,
                        "full"),
                   Term("feed_forward.w1_out", c * f, "tp"), Term("feed_forward.w3_out", c * f, "tp"),
                   Term("feed_forward.silu", c * f, "tp"),
@@ -146,16 +151,22 @@ def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]
     h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
     parts = 2 if cp > 1 and not cp_masked_attention(m) else 1
-    terms = [Term("block.input", 4 * h, "seq"),
-             Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
-             Term("attention.wv_out", c * kv, "tp"),
-             Term("attention.core_out", parts * c * q, "tp"),
-             Term("attention.lse", parts * 4 * n, "tp"),
-             Term("attention.wo_out", c * h, "full"),   # partial sums under tp
-             Term("feed_forward.w1_out", c * f, "tp"),
-             Term("feed_forward.w2_out", c * h, "full")]
-    if m.arch == "llama":
-        terms.append(Term("feed_forward.w3_out", c * f, "tp"))
+    terms = [Term("block.input", 4 * h, "seq")]
+    if m.mla is not None:
+        terms += mla_selective_terms(m, precision)
+    else:
+        terms += [Term("attention.wq_out", c * q, "tp"), Term("attention.wk_out", c * kv, "tp"),
+                  Term("attention.wv_out", c * kv, "tp"),
+                  Term("attention.core_out", parts * c * q, "tp"),
+                  Term("attention.lse", parts * 4 * n, "tp"),
+                  Term("attention.wo_out", c * h, "full")]   # partial sums under tp
+    if m.moe is not None:
+        terms += moe_selective_terms(m, precision)
+    else:
+        terms += [Term("feed_forward.w1_out", c * f, "tp"),
+                  Term("feed_forward.w2_out", c * h, "full")]
+        if m.arch == "llama":
+            terms.append(Term("feed_forward.w3_out", c * f, "tp"))
     if tp > 1 and sp:   # reduce-scatter results of wo and w2
         terms += [Term("attention.wo_reduced", c * h, "seq"),
                   Term("feed_forward.w2_reduced", c * h, "seq")]
@@ -192,4 +203,88 @@ def cp_none_terms(m, precision: str, micro_batch: int, seq_len: int, tp: int, cp
     if cp_masked_attention(m):
         chunk = seq_len / (2 * cp)
         out["attention.cp_mask"] = chunk * chunk * (2 * cp + 1)
+    return out
+
+
+# ------------------------------------------------- MoE and latent attention
+def routed_rows_per_token(m) -> float:
+    """Expert rows one local token creates on the rank its experts run on:
+    top_k under balanced dropless routing, capped by a capacity factor below 1."""
+    cf = m.moe.capacity_factor
+    return m.moe.top_k * (min(1.0, cf) if cf is not None else 1.0)
+
+
+def moe_ffn_terms(m, precision: str) -> list[Term]:
+    """What one MoE feed-forward keeps for backward, per local token (no
+    recompute). Experts are not split by tp: their terms are whole on every
+    tp rank ('full')."""
+    c = DTYPE_BYTES[precision]
+    moe, h = m.moe, m.hidden_size
+    k, e = moe.top_k, moe.num_experts
+    f = moe.expert_ffn_hidden_size or m.ffn_hidden_size
+    rows = routed_rows_per_token(m)
+    terms = [Term("moe.router_logits", 4 * e, "full"), Term("moe.router_scores", 4 * e, "full"),
+             Term("moe.topk_ids", 8 * k + 4 * k, "full"),
+             # the gathered fp32 rows are dispatched; the expert GEMMs keep their cast
+             Term("moe.dispatched", c * k * h, "full"),
+             Term("moe.experts.w1_out", c * rows * f, "full"),
+             Term("moe.experts.w3_out", c * rows * f, "full"),
+             Term("moe.experts.silu", c * rows * f, "full"),
+             Term("moe.experts.w2_input", c * rows * f, "full"),
+             # the combine's [N, k, h] expert outputs, kept by its weighted sum
+             Term("moe.combine_in", c * k * h, "full")]
+    if moe.num_shared_experts:
+        fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size or f)
+        terms += [Term("moe.shared.w1_out", c * fs, "tp"), Term("moe.shared.w3_out", c * fs, "tp"),
+                  Term("moe.shared.silu", c * fs, "tp"), Term("moe.shared.w2_input", c * fs, "tp")]
+    return terms
+
+
+def moe_selective_terms(m, precision: str) -> list[Term]:
+    """What the selective policy keeps of an MoE feed-forward: the matmul
+    outputs (router logits, expert and shared-expert GEMMs), the dispatched
+    rows that crossed the all-to-all (the collective's result), the combine's input."""
+    keep = {"moe.router_logits", "moe.dispatched", "moe.experts.w1_out", "moe.experts.w3_out",
+            "moe.combine_in", "moe.shared.w1_out", "moe.shared.w3_out"}
+    return [t for t in moe_ffn_terms(m, precision) if t.name in keep]
+
+
+def mla_terms(m, precision: str, cast: bool) -> list[Term]:
+    """What one multi-head latent attention keeps for backward, per token (tp
+    is refused with MLA, so nothing is split): the input cast per reader
+    (wq_a, wkv_a), the low-rank latents and their RMSNorms (fp32 in, x * rstd),
+    the expanded q, k and v, the kernel's output and log-sum-exp."""
+    c = DTYPE_BYTES[precision]
+    a, heads = m.mla, m.num_heads
+    qk, v = heads * a.qk_head_dim, heads * a.v_head_dim
+    readers = 2 if a.q_lora_rank is not None else 1
+    terms = [Term("attention.input", (readers + 1) * c * m.hidden_size if cast
+                  else 4 * m.hidden_size, "full")]
+    if a.q_lora_rank is not None:
+        r = a.q_lora_rank
+        terms += [Term("attention.q_latent", 4 * r, "full"), Term("attention.q_normed", 4 * r, "full"),
+                  Term("attention.q_normed_cast", c * r, "full")]
+    r = a.kv_lora_rank
+    terms += [Term("attention.kv_latent", 4 * r, "full"), Term("attention.kv_normed", 4 * r, "full"),
+              Term("attention.kv_normed_cast", c * r, "full"),
+              Term("attention.q_rope", c * qk, "tp"), Term("attention.k_rope", c * qk, "tp", kv=True),
+              Term("attention.v", c * qk, "tp", kv=True),    # padded to the q/k width
+              Term("attention.lse", 4 * heads, "tp"),
+              Term("attention.core_out", c * v, "tp")]
+    return terms
+
+
+def mla_selective_terms(m, precision: str) -> list[Term]:
+    """The matmul outputs and the kernel's output and log-sum-exp of one MLA."""
+    c = DTYPE_BYTES[precision]
+    a, heads, h = m.mla, m.num_heads, m.hidden_size
+    out = []
+    if a.q_lora_rank is not None:
+        out += [Term("attention.wq_a_out", c * a.q_lora_rank, "full")]
+    out += [Term("attention.wq_out", c * heads * a.qk_head_dim, "tp"),
+            Term("attention.wkv_a_out", c * (a.kv_lora_rank + a.qk_rope_head_dim), "full"),
+            Term("attention.wkv_b_out", c * heads * (a.qk_nope_head_dim + a.v_head_dim), "tp"),
+            Term("attention.core_out", c * heads * a.v_head_dim, "tp"),
+            Term("attention.lse", 4 * heads, "tp"),
+            Term("attention.wo_out", c * h, "full")]
     return out

@@ -1,0 +1,176 @@
+"""Mixture-of-Experts and multi-head latent attention in the cost models.
+
+What an MoE block changes, per rank, as giantmodel.models.common.moe and
+giantmodel.parallel.expert run it:
+
+* parameters: the routed experts (``feed_forward.experts.w1/w3/w2``, stacked
+  ``[E, in, out]``) are split over ``ep`` on dim 0 and not by tp; their
+  gradients and optimizer states are sharded like the ZeRO stage over the
+  (dp x cp) / ep ranks that hold the same experts (``edp``); everything
+  else as a dense block;
+* total against active parameters: a token runs ``top_k`` of the E routed
+  experts plus the shared experts, so the model FLOPs (and MFU, as
+  Megatron-Core counts it) use 6 x the active parameters plus attention;
+* activations (:func:`giantmodel.planner.terms.moe_ffn_terms`): the router's fp32 logits and scores ([N, E] each), the
+  dispatched token copies ([N k, h]: the fp32 gather, the compute-dtype cast
+  the expert GEMM keeps, the combine's [N, k, h] expert outputs), and each
+  expert's SwiGLU intermediates for the rows it receives. Dropless routing is
+  costed at balanced loads, so each rank's experts receive N k rows whatever
+  ep is (N tokens on each of the ep ranks, k / ep of each to every rank);
+  a capacity factor below 1 caps them at capacity_factor x N k;
+* time: the routed experts run as grouped GEMMs of N k / E' rows per expert
+  (E' = E / ep experts receiving ep x N k / E rows each) at
+  ``grouped_gemm_efficiency``; the dispatch and combine all-to-alls move each
+  routed row out and back (2 in forward, 2 in backward) over the links the ep
+  group spans.
+
+Stage memory counts every block of a pipeline stage as an MoE block: where
+dense blocks are mixed in (DeepSeek-V3's first three), the first stage is
+overestimated by their difference, never under.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from giantmodel.planner.terms import DTYPE_BYTES, routed_rows_per_token
+
+EXPERT_LEAVES = ("experts.w1", "experts.w2", "experts.w3")
+
+
+def is_expert(name: str) -> bool:
+    """Whether a parameter name is a routed expert's stacked weight (split over ep)."""
+    return name.endswith(EXPERT_LEAVES)
+
+
+def sparse_layer_config(m):
+    """``m`` with every layer an MoE layer (to build one MoE block on meta)."""
+    one = copy.deepcopy(m)
+    one.moe.first_k_dense, one.moe.dense_layers, one.moe.sparse_step = 0, [], 1
+    return one
+
+
+def dense_layer_config(m):
+    """``m`` with every feed-forward dense (the blocks an MoE model keeps dense)."""
+    one = copy.copy(m)
+    one.moe = None
+    return one
+
+
+def layer_counts(m) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) of the model."""
+    if m.moe is None:
+        return m.num_layers, 0
+    sparse = len(m.moe.sparse_layers(m.num_layers))
+    return m.num_layers - sparse, sparse
+
+
+def expert_numel(m) -> int:
+    """Parameters of one routed expert (a SwiGLU of expert_ffn_hidden_size)."""
+    return 3 * m.hidden_size * (m.moe.expert_ffn_hidden_size or m.ffn_hidden_size)
+
+
+def inactive_params(m) -> int:
+    """Routed-expert parameters a token does not use: (E - top_k) experts per MoE block."""
+    if m.moe is None:
+        return 0
+    return layer_counts(m)[1] * (m.moe.num_experts - m.moe.top_k) * expert_numel(m)
+
+
+# -------------------------------------------------------------------- time
+def attention_width(m) -> float:
+    """Heads x the mean of the query/key and value widths: QK^T contracts over
+    the first, AV over the second (equal without MLA)."""
+    if m.mla is None:
+        return m.num_heads * m.dim_per_head
+    return m.num_heads * (m.mla.qk_head_dim + m.mla.v_head_dim) / 2
+
+
+def mla_matmul_shapes(m) -> dict[str, tuple[float, float]]:
+    """(k, n) of each MLA projection."""
+    a, h, heads = m.mla, m.hidden_size, m.num_heads
+    q_out = heads * a.qk_head_dim
+    if a.q_lora_rank is None:
+        shapes = {"wq": (h, q_out)}
+    else:
+        shapes = {"wq_a": (h, a.q_lora_rank), "wq_b": (a.q_lora_rank, q_out)}
+    shapes.update({"wkv_a": (h, a.kv_lora_rank + a.qk_rope_head_dim),
+                   "wkv_b": (a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim)),
+                   "wo": (heads * a.v_head_dim, h)})
+    return shapes
+
+
+def shared_matmul_shapes(m, t: int) -> dict[str, tuple[float, float]]:
+    """(k, n) of the shared experts' SwiGLU on one tp rank (column/row parallel)."""
+    moe, h = m.moe, m.hidden_size
+    if not moe.num_shared_experts:
+        return {}
+    fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size
+                                   or moe.expert_ffn_hidden_size or m.ffn_hidden_size)
+    return {"w1": (h, fs / t), "w3": (h, fs / t), "w2": (fs / t, h)}
+
+
+def grouped_gemm_time(hw, precision: str, rows_per_expert: float, experts: int,
+                      k: float, n: float) -> float:
+    """One grouped GEMM over ``experts`` problems of (rows_per_expert x k) @ (k x n).
+
+    ``hw.grouped_gemm_efficiency`` stands for the large-problem share of peak
+    (below dense GEMM's: one kernel schedules many problems, each expert's
+    rows are padded to the 16-byte alignment torch._grouped_mm needs, and the
+    per-expert problems are too small to keep a tile schedule full); on top of
+    it each expert's rows fill 128-row tiles only partly (rows / ceil-to-128)
+    and the k loop reaches half rate at ``matmul_k_knee``, as in dense GEMMs."""
+    if rows_per_expert <= 0 or experts <= 0:
+        return 0.0
+    fill = rows_per_expert / (128 * math.ceil(rows_per_expert / 128))
+    tiles = experts * math.ceil(rows_per_expert / 128) * math.ceil(n / 128)
+    eff = (hw.grouped_gemm_efficiency * fill * tiles / (tiles + hw.matmul_tile_knee)
+           * k / (k + hw.matmul_k_knee))
+    flops = 2.0 * rows_per_expert * experts * k * n
+    c = DTYPE_BYTES[precision]
+    nbytes = c * (rows_per_expert * experts * (k + n) + experts * k * n)
+    return max(flops / (hw.flops(precision) * eff),
+               nbytes / (hw.memory_bw * hw.memory_efficiency))
+
+
+def expert_gemm_time(m, layout, hw, tokens: float) -> float:
+    """Forward time of one MoE block's routed experts on one rank: E / ep
+    local experts, each receiving ep x tokens x rows-per-token / E rows."""
+    moe, h = m.moe, m.hidden_size
+    f = moe.expert_ffn_hidden_size or m.ffn_hidden_size
+    local = moe.num_experts // layout.ep
+    rows = tokens * routed_rows_per_token(m) * layout.ep / moe.num_experts
+    prec = layout.precision
+    return (2 * grouped_gemm_time(hw, prec, rows, local, h, f)
+            + grouped_gemm_time(hw, prec, rows, local, f, h))
+
+
+def all_to_all_time(hw, cluster, nbytes: float, size: int, stride: int) -> float:
+    """One all-to-all in which each of ``size`` ranks (``stride`` global ranks
+    apart) sends ``nbytes`` spread evenly over the group: (size - 1) / size of
+    it leaves the rank; the part bound for other nodes crosses each GPU's own
+    NIC, the rest NVLink (or PCIe), both at ``link_efficiency``."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    gpn = cluster.gpus_per_node
+    per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
+    intra = nbytes * (per_node - 1) / size / (hw.intra_bw * hw.link_efficiency)
+    inter = nbytes * (size - per_node) / size / (hw.inter_bw * hw.link_efficiency)
+    return max(intra, inter) + (size - 1) * hw.latency_s
+
+
+def dispatch_combine_time(m, layout, hw, cluster, tokens: float) -> tuple[float, float]:
+    """(forward, backward) all-to-all seconds of one MoE block and micro-batch.
+    Dispatch moves each routed row in fp32 (the gathered rows of the fp32
+    normed stream, as giantmodel.parallel.expert sends them), combine in the
+    compute dtype; backward sends the gradients the reverse ways in the same
+    dtypes. The ep group is ep neighbouring dp x cp ranks, tp apart."""
+    if layout.ep <= 1:
+        return 0.0, 0.0
+    rows = tokens * m.moe.top_k
+    c = DTYPE_BYTES[layout.precision]
+    h = m.hidden_size
+    one = (all_to_all_time(hw, cluster, rows * h * 4, layout.ep, layout.tp)
+           + all_to_all_time(hw, cluster, rows * h * c, layout.ep, layout.tp))
+    return one, one
