@@ -39,11 +39,21 @@ _GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 
 
 def flops_per_token(model_cfg, seq_len: int) -> float:
+    """Model FLOPs per trained token. For MoE models N counts the active
+    parameters, the top_k routed experts a token goes to (plus router and
+    shared experts), as Megatron-Core's MFU does; multi-head latent attention
+    contracts QK^T over the query/key width and AV over the value width."""
     n = model_cfg.num_params(include_embeddings=False)
+    moe = model_cfg.moe
+    if moe is not None:   # drop the routed experts a token is not sent to
+        sparse = len(moe.sparse_layers(model_cfg.num_layers))
+        n -= sparse * (model_cfg.moe_ffn_params() - model_cfg.moe_ffn_params(active=True))
     # The output head is a matmul over the vocabulary: count it (PaLM counts
     # all non-input-embedding weights).
     n += model_cfg.vocab_size * model_cfg.hidden_size
     L, H, Q = model_cfg.num_layers, model_cfg.num_heads, model_cfg.dim_per_head
+    if model_cfg.mla is not None:
+        Q = (model_cfg.mla.qk_head_dim + model_cfg.mla.v_head_dim) / 2
     return 6.0 * n + 12.0 * L * H * Q * seq_len
 
 
