@@ -190,118 +190,87 @@ def sliding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window:
             return _varlen_sliding(q, k, v, window)
         block = _sliding_block_mask(q.shape[2], k.shape[2], window, str(q.device))
         return _flex(q, k, v, block, gqa)
-    if q.device.type == "cpu" and not dropout_p and q.shape[2] >= 4 * window:
+    if q.device.type == "cpu" and not dropout_p and banded_cpu(q.shape[2], window):
         return _BandedCPU.apply(q, k, v, window)
     band = window_band(q.shape[2], k.shape[2], window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa,
                                           dropout_p=dropout_p)
 
 
+def banded_cpu(rows: int, window: int) -> bool:
+    """Whether :func:`sliding_attention` takes the blocked CPU kernel for
+    ``rows`` queries (no dense band, no [rows, span] mask): only when the
+    window is short enough for blocks to skip work. The planner reads it."""
+    return rows >= 4 * window
+
+
 @functools.lru_cache(maxsize=32)
-def _banded_mask(blocks: int, window: int, left_pad: int, dtype: torch.dtype,
-                 device: str) -> torch.Tensor:
-    """Additive mask [blocks, 1, window, 2*window - 1]: block i's query j sits
-    at its keys' index j + window - 1 and sees keys j .. j + window - 1; keys
-    before index ``left_pad`` of the padded span (padding) are hidden."""
+def _block_mask(rows: int, span: int, window: int, dtype: torch.dtype,
+                device: str) -> torch.Tensor:
+    """Additive [1, 1, rows, span] mask of one query block against its keys
+    (lower-right aligned, as :func:`window_band`): at most three shapes per
+    sequence (the first block, the inner ones, a short last one)."""
     with torch.inference_mode(False):
-        j = torch.arange(window, device=device)[:, None]
-        s = torch.arange(2 * window - 1, device=device)[None, :]
-        band = (s >= j) & (s <= j + window - 1)
-        start = torch.arange(blocks, device=device)[:, None, None] * window
-        real = (start + s[None]) >= left_pad
-        visible = band[None] & real
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~visible, float("-inf"))[:, None]
+        band = _window_band(rows, span, window, device)
+        mask = torch.zeros(band.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~band, float("-inf"))[None, None]
 
 
-def _banded_blocks(q, k, v, window: int):
-    """q as [B*n, H, w, D] blocks of ``window`` queries and k/v as [B*n, Hkv,
-    2w-1, D] blocks of the keys each sees (copies: views of overlapping
-    windows), plus the mask. Queries are the last rows of the key span;
-    the span is padded on the left (or cut) so that block i's keys start at
-    i*w, and both are padded on the right to whole blocks."""
-    B, H, rows, D = q.shape
-    span, w = k.shape[2], window
-    n = -(-rows // w)
-    shift = span - rows - (w - 1)  # first key index the first query may see
-    left_pad = max(0, -shift)
-    k, v = k[:, :, max(0, shift):], v[:, :, max(0, shift):]
-    right = n * w + w - 1 - left_pad - k.shape[2]
-    k, v = (F.pad(t, (0, 0, left_pad, right)) for t in (k, v))
-    if n * w != rows:
-        q = F.pad(q, (0, 0, 0, n * w - rows))
-    # [B, H, n*w, D] -> [B*n, H, w, D]: a view when q is the usual transpose
-    # of a [B, T, H, D] projection (no copy of the queries).
-    qb = q.reshape(B, H, n, w, D).transpose(1, 2).reshape(B * n, H, w, D)
-
-    def blocks(t, size):  # [B, h, L, D] -> [B*n, h, size, D]
-        b = t.unfold(2, size, w)  # [B, h, n, D, size]
-        return b.permute(0, 2, 1, 4, 3).reshape(B * n, t.shape[1], size, D)
-
-    mask = _banded_mask(n, w, left_pad, q.dtype, str(q.device))
-    mask = mask.expand(B, *mask.shape).reshape(B * n, 1, w, 2 * w - 1)
-    return qb, blocks(k, 2 * w - 1), blocks(v, 2 * w - 1), mask, n
+def _blocks(rows: int, span: int, window: int):
+    """(query slice, key slice) per block of ``window`` queries: queries are
+    the last ``rows`` of the key span, so query r sits at key r + span -
+    rows and sees that key and the ``window - 1`` before it."""
+    offset = span - rows
+    for start in range(0, rows, window):
+        end = min(start + window, rows)
+        lo = max(0, start + offset - window + 1)
+        yield slice(start, end), slice(lo, end + offset)
 
 
 class _BandedCPU(torch.autograd.Function):
-    """Sliding-window attention on the CPU as blocks: each block of ``window``
-    queries attends its 2*window - 1 keys through the CPU flash kernel, so
-    the work is rows x (2w - 1), not rows x span. Only q, k, v, the output
-    and the log-sum-exp are saved (what full attention saves); the
-    overlapping key blocks are rebuilt in backward."""
+    """Sliding-window attention on the CPU, one block of ``window`` queries
+    at a time against its own keys and the ``window - 1`` before (views,
+    never copies), through the CPU flash kernel: the work is rows x (2w - 1),
+    not rows x span. Saved for backward: q, k, v, the output (the same
+    storage the output projection keeps: it is written in the [B, T, H, D]
+    layout that projection reads) and the log-sum-exp, what full attention
+    saves. Forward and backward write each block's result straight into the
+    outputs, so beyond them they hold one block's temporaries at a time."""
 
     @staticmethod
     def forward(ctx, q, k, v, window: int):
-        qb, kb, vb, mask, n = _banded_blocks(q, k, v, window)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb, kb, vb, 0.0, False, attn_mask=mask)
+        B, H, rows, D = q.shape
+        # [B, H, rows, D] over [B, rows, H, D] memory, as SDPA returns it
+        out = q.new_empty(B, rows, H, D).transpose(1, 2)
+        lses = []
+        for qs, ks in _blocks(rows, k.shape[2], window):
+            mask = _block_mask(qs.stop - qs.start, ks.stop - ks.start, window, q.dtype,
+                               str(q.device))
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, qs], k[:, :, ks], v[:, :, ks], 0.0, False, attn_mask=mask)
+            out[:, :, qs] = o
+            lses.append(lse)
+        lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.window = window
-        return _unblock(out, q.shape, n)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        B, H, rows, D = q.shape
-        w, span = ctx.window, k.shape[2]
-        n = out.shape[0] // B
-        # The blocks' key gradients are summed into padded dk/dv by slices
-        # (no autograd replay of the unfold: fewer layer-sized temporaries).
-        qb, kb, vb, mask, _ = _banded_blocks(q, k, v, w)
-        if n * w != rows:
-            dout = F.pad(dout, (0, 0, 0, n * w - rows))
-        db = dout.reshape(B, H, n, w, D).transpose(1, 2).reshape(B * n, H, w, D)
-        dqb, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            db, qb, kb, vb, out, lse, 0.0, False, attn_mask=mask)
-        del qb, kb, vb, db
-        dq = _unblock(dqb, q.shape, n)
-        shift = span - rows - (w - 1)
-        left_pad = max(0, -shift)
-        # Block i's 2w - 1 keys start at i*w: their last w rows tile keys
-        # [w - 1, w - 1 + n*w) and their first w - 1 (padded to w) tile
-        # [0, n*w), so each part is one strided add, not one per block.
-        Hkv = k.shape[1]
-        dk_pad = k.new_empty(B, Hkv, n * w + w - 1, D)
-        dv_pad = torch.empty_like(dk_pad)
-        for pad, blocks in ((dk_pad, dkb), (dv_pad, dvb)):
-            blocks = blocks.view(B, n, Hkv, 2 * w - 1, D).transpose(1, 2)
-            pad[:, :, :w - 1].zero_()
-            pad[:, :, w - 1:] = blocks[:, :, :, w - 1:].reshape(B, Hkv, n * w, D)
-            pad[:, :, :n * w] += F.pad(blocks[:, :, :, :w - 1], (0, 0, 0, 1)).reshape(
-                B, Hkv, n * w, D)
-        real = slice(left_pad, left_pad + span - max(0, shift))
-        if shift <= 0:  # every key is in some block: the gradients are views
-            return dq, dk_pad[:, :, real], dv_pad[:, :, real], None
+        w, (B, H, rows, D) = ctx.window, q.shape
+        dq = q.new_empty(B, rows, H, D).transpose(1, 2)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        dk[:, :, max(0, shift):] = dk_pad[:, :, real]
-        dv[:, :, max(0, shift):] = dv_pad[:, :, real]
+        for qs, ks in _blocks(rows, k.shape[2], w):
+            mask = _block_mask(qs.stop - qs.start, ks.stop - ks.start, w, q.dtype,
+                               str(q.device))
+            dqb, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                lse[:, :, qs], 0.0, False, attn_mask=mask)
+            dq[:, :, qs] = dqb
+            dk[:, :, ks] += dkb  # neighbouring blocks' keys overlap by window - 1
+            dv[:, :, ks] += dvb
         return dq, dk, dv, None
-
-
-def _unblock(out: torch.Tensor, shape, n: int) -> torch.Tensor:
-    B, H, rows, D = shape
-    w = out.shape[2]
-    return out.reshape(B, n, H, w, D).transpose(1, 2).reshape(B, H, n * w, D)[:, :, :rows]
 
 
 def _varlen_window() -> bool:
