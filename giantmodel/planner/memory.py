@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 
 from giantmodel.models import build_model
+from giantmodel.models.common.masks import banded_cpu
 from giantmodel.parallel.flat_buffer import layout_sizes, padding_and_first_bucket
 from giantmodel.parallel.fsdp import kept_gathered
 from giantmodel.parallel.strategy import strategy_name
@@ -370,14 +371,16 @@ def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_l
     keeps them all). ``bf16_stream``: the residual stream is bf16 (a frozen
     base kept in bf16, :func:`giantmodel.planner.frozen.bf16_residual`).
     ``dense_window``: a sliding window runs as SDPA with a dense band (the
-    CPU), which turns the boolean band into a [s, s] additive mask in the
-    compute dtype and keeps it (one per block, broadcast over the batch)."""
+    CPU, unless the sequence is long enough for the blocked kernel,
+    :func:`dense_band`), which turns the boolean band into a [s, s] additive
+    mask in the compute dtype and keeps it (one per block, broadcast over
+    the batch)."""
     key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
            recomputed, bf16_stream, dense_window)
     if key not in _ACTS:
         _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp,
                                              cp, lora, recomputed, bf16_stream)
-        if dense_window and mode == "none" and windowed(m, seq_len) and cp == 1:
+        if dense_window and mode == "none" and dense_band(m, seq_len) and cp == 1:
             _ACTS[key]["attention.window_mask"] = DTYPE_BYTES[precision] * seq_len ** 2
     return dict(_ACTS[key])
 
@@ -385,6 +388,13 @@ def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_l
 def windowed(m, seq_len: int) -> bool:
     """Whether the sliding window is shorter than the sequence (else plain causal)."""
     return m.sliding_window is not None and m.sliding_window < seq_len
+
+
+def dense_band(m, seq_len: int) -> bool:
+    """Whether the CPU runs the window as SDPA with a dense [s, s] band:
+    windowed, but too short for the blocked kernel, which saves only what
+    full attention saves and caches masks of a block's size."""
+    return windowed(m, seq_len) and not banded_cpu(seq_len, m.sliding_window)
 
 
 def _matmul_output(name: str) -> str:
@@ -608,8 +618,8 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
                                        strategy=strategy, bucket_mb=layout.bucket_mb)
             if experts:
                 # each rank's ep shard, its states sharded over the edp ranks holding it
-                own = model_state_bytes(experts, layout.zero, shard_degree // layout.ep, style,
-                                        0, strategy=strategy, bucket_mb=layout.bucket_mb)
+                own = model_state_bytes(experts, layout.zero, max(1, shard_degree // layout.ep),
+                                        style, 0, strategy=strategy, bucket_mb=layout.bucket_mb)
                 states = {k: states[k] + own[k] for k in states}
             shapes += experts
             if strategy == "fsdp" and layout.pp > 1:
@@ -718,7 +728,7 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                                   first=0 in stages, last=ns - 1 in stages,
                                   frozen=bool(layout.lora_rank), loss_impl=loss_impl)
     edge_inflight = {k: v * (inflight if k == "embedding.ids" else 1.0) for k, v in edges.items()}
-    if not on_accelerator(hw) and windowed(m, s) and n_layers:
+    if not on_accelerator(hw) and dense_band(m, s) and n_layers:
         # the boolean band the CPU path builds once per shape and caches
         edge_inflight["attention.window_band"] = float(s * s)
     comp["activations"] = acts

@@ -146,7 +146,8 @@ def expert_gemm_time(m, layout, hw, tokens: float) -> float:
             + grouped_gemm_time(hw, prec, rows, local, f, h))
 
 
-def all_to_all_time(hw, cluster, nbytes: float, size: int, stride: int) -> float:
+def all_to_all_time(hw, cluster, nbytes: float, size: int, stride: int,
+                    inter_share: float | None = None) -> float:
     """One all-to-all in which each of ``size`` ranks (``stride`` global ranks
     apart) sends ``nbytes`` spread evenly over the group: (size - 1) / size of
     it leaves the rank; the part bound for other nodes crosses each GPU's own
@@ -156,21 +157,35 @@ def all_to_all_time(hw, cluster, nbytes: float, size: int, stride: int) -> float
     gpn = cluster.gpus_per_node
     per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
     intra = nbytes * (per_node - 1) / size / (hw.intra_bw * hw.link_efficiency)
-    inter = nbytes * (size - per_node) / size / (hw.inter_bw * hw.link_efficiency)
+    share = (size - per_node) / size if inter_share is None else inter_share
+    inter = nbytes * share / (hw.inter_bw * hw.link_efficiency)
     return max(intra, inter) + (size - 1) * hw.latency_s
 
 
-def dispatch_combine_time(m, layout, hw, cluster, tokens: float) -> tuple[float, float]:
+def dispatch_combine_time(m, layout, hw, cluster, tokens: float,
+                          dispatch_bytes: int | None = None,
+                          node_limited: bool = False) -> tuple[float, float]:
     """(forward, backward) all-to-all seconds of one MoE block and micro-batch.
     Dispatch moves each routed row in fp32 (the gathered rows of the fp32
     normed stream, as giantmodel.parallel.expert sends them), combine in the
     compute dtype; backward sends the gradients the reverse ways in the same
-    dtypes. The ep group is ep neighbouring dp x cp ranks, tp apart."""
+    dtypes. The ep group is ep neighbouring dp x cp ranks, tp apart.
+    ``dispatch_bytes``: another stack's dispatch dtype (bf16: 2, FP8: 1);
+    ``node_limited``: another stack's node-deduplicated dispatch (below)."""
     if layout.ep <= 1:
         return 0.0, 0.0
     rows = tokens * m.moe.top_k
     c = DTYPE_BYTES[layout.precision]
     h = m.hidden_size
-    one = (all_to_all_time(hw, cluster, rows * h * 4, layout.ep, layout.tp)
-           + all_to_all_time(hw, cluster, rows * h * c, layout.ep, layout.tp))
+    inter = None
+    if node_limited:
+        # DeepSeek-V3's dispatch: a token crosses the network once per node it is
+        # routed to (at most topk_group of them, n_group aligned with nodes), then
+        # NVLink within the node: per token topk_group / top_k of its rows, less its own node's
+        nodes = max(1, layout.ep * layout.tp // cluster.gpus_per_node)
+        reach = min(m.moe.topk_group, nodes)
+        inter = reach / m.moe.top_k * (nodes - 1) / nodes if nodes > 1 else 0.0
+    one = (all_to_all_time(hw, cluster, rows * h * (dispatch_bytes or 4), layout.ep, layout.tp,
+                           inter)
+           + all_to_all_time(hw, cluster, rows * h * c, layout.ep, layout.tp, inter))
     return one, one

@@ -104,6 +104,21 @@ class PerfOptions:
     (2cp + 1) / (2cp) of its share of the causal triangle's FLOPs. None follows
     ``parallel/context.py``: masked only with attention dropout; otherwise each chunk is a
     fully visible part and a causal diagonal block on fused kernels, exactly its share."""
+    dispatch_bytes: int | None = None
+    """Bytes per element of the MoE dispatch all-to-all; None follows ``parallel/expert.py``,
+    which sends the fp32 normed rows (Megatron-Core dispatches in bf16, DeepSeek-V3 in FP8)."""
+    moe_comm_overlap: bool = False
+    """Whether the source's stack runs the dispatch/combine all-to-all beside another
+    micro-batch's compute (DeepSeek's DualPipe, Megatron-Core's overlapped EP communication):
+    then only what outlasts that compute, and the multiprocessors it holds, cost time. This
+    engine runs them in series."""
+    node_limited_dispatch: bool = False
+    """Whether the source's dispatch sends a token over the network once per node it is routed
+    to and forwards it over NVLink there (DeepSeek-V3's node-limited routing, with expert
+    groups aligned to nodes); this engine's all-to-all sends every routed row."""
+    gemm_speedup: float = 1.0
+    """Rate of the block GEMMs (dense and grouped) against the profile's, e.g. 2 for FP8 GEMMs
+    on Hopper (twice the bf16 tensor-core peak); attention and memory-bound work unchanged."""
 
 
 # ----------------------------------------------------------------- ops
@@ -231,6 +246,7 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     gemm = sum(gemm_time(hw, prec, tokens, k, n) for k, n in _block_matmul_shapes(m, t).values())
     if m.moe is not None:   # the routed experts (the router is fp32, in the shapes)
         gemm += expert_gemm_time(m, layout, hw, tokens)
+    gemm /= opts.gemm_speedup
     attn_flops = 4.0 * layout.micro_batch * attention_pairs(m, layout.seq_len) * q / (t * cp)
     masked = opts.cp_masked_attention
     if cp > 1 and (cp_masked_attention(m) if masked is None else masked):
@@ -241,7 +257,11 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     elem = mem_time(hw, 2.0 * none)   # each saved tensor written once, read once
     comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)
     if m.moe is not None:   # dispatch + combine; selective keeps the dispatched rows
-        a2a_f, a2a_b = dispatch_combine_time(m, layout, hw, cluster, tokens)
+        a2a_f, a2a_b = dispatch_combine_time(m, layout, hw, cluster, tokens, opts.dispatch_bytes,
+                                             opts.node_limited_dispatch)
+        if opts.moe_comm_overlap:   # beside the other micro-batch's block compute
+            a2a_f = beside_compute(hw, a2a_f, gemm + attn)
+            a2a_b = beside_compute(hw, a2a_b, 2 * gemm + opts.flash_bwd_factor * attn)
         comm_f, comm_b = comm_f + a2a_f, comm_b + a2a_b
     adapters = _adapter_gemm_time(m, layout, hw, tokens)
     fwd = gemm + adapters + attn + elem + comm_f

@@ -109,6 +109,8 @@ def enumerate_layouts(cfg, cluster: Cluster, recompute: str = "none",
                                     groups if zero else [1],
                                     (False, True) if tp > 1 else (False,),
                                     ep_options(m, dp * cp)):
+                                if ep > 1 and shard < dp:   # experts under HSDP: not modelled
+                                    continue
                                 yield Layout(
                                     tp=tp, pp=pp, dp=dp, dp_shard=shard, cp=cp, sp=sp,
                                     zero=zero, virtual=v, schedule=sched, micro_batch=mb,
