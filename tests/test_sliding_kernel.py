@@ -122,3 +122,23 @@ def test_backward_holds_one_block_beyond_its_gradients():
     t_full, t_banded = (_backward_transient(c, live, shape) for c in (full, banded))
     assert t_full >= 6 * 2 ** 20 * 0.95, t_full   # dq + dk + dv
     assert t_banded <= 1.25 * t_full, (t_banded, t_full)
+
+
+def test_planner_counts_no_dense_band_where_the_blocked_kernel_runs():
+    """Mistral's 128 window at 512 tokens takes the blocked kernel: the
+    planner's activations (no [T, T] band or mask) match what the forward
+    keeps, as tests/test_planner_families.py checks the dense-band case."""
+    from test_planner_families import _family, _layout, _measure_block
+
+    from giantmodel.planner.hardware import get_profile
+    from giantmodel.planner.memory import dense_band, rank_memory
+
+    B, T = 1, 512
+    m = _family("mistral", vocab_size=1024, num_layers=2)
+    assert not dense_band(m, T) and dense_band(m, 256)
+    r = rank_memory(m, _layout(m, "fp32", B, T), 0, get_profile("cpu"))
+    pred = (r.components["activations"] + r.components["embedding_head_activations"]
+            + r.components["working_weights"] - B * T * 8)  # ids made outside
+    live, saved = _measure_block(m, "fp32", B, T)
+    assert abs(pred / live - 1) < 0.02, (pred, live)
+    assert abs(pred / saved - 1) < 0.02, (pred, saved)
