@@ -1,0 +1,250 @@
+"""giantmodel's objective dpo against TRL's ``DPOTrainer``: the same tiny
+model, pairs, batches and hyperparameters, on the CPU, side by side.
+
+* parity: the loss and TRL's metrics (``rewards/*``, ``logps/*``) step by
+  step, full fine-tuning in fp32 (TRL copies the model as the reference;
+  giantmodel builds a frozen copy), for ``sigmoid`` and ``ipo``;
+* speed: tokens/s over the steps after the first (real tokens: padding not
+  counted, the same number on both sides), and peak RSS (``VmHWM``) of each
+  side's process, with LoRA (TRL: a PEFT model with ``ref_model=None``, the
+  adapters disabled for the reference; giantmodel: ``dpo.use_lora``) and
+  with full fine-tuning.
+
+TRL runs in its own virtual environment made on first use
+(:mod:`benchmarks.peers.venvs`: the system torch reused and pinned, so no
+install can replace it with a CUDA build). Each side runs in a fresh
+process; batches are taken in file order on both (TRL's sampler set to
+sequential), with ``max_length`` = giantmodel's ``train.seq_len + 1`` and
+``keep_start`` truncation on both.
+
+    python benchmarks/dpo_trl.py --steps 12 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_VERSION = "trl==1.16.0"
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+TINY_SHAPE = ["model.arch=llama", "model.hidden_size=128", "model.num_layers=4",
+              "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=384",
+              "model.vocab_size=1024", "model.max_seq_len=512", "model.norm_eps=1e-5"]
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# --------------------------------------------------------------------------- inputs
+
+def make_inputs(out_dir: Path, num_pairs: int) -> tuple[str, str]:
+    """The tiny chat model's directory and a jsonl of ``num_pairs`` bundled
+    pairs, each with an explicit prompt (one schema for ``datasets``)."""
+    sys.path.insert(0, str(ROOT))
+    from giantmodel.config.data import DataConfig
+    from giantmodel.data.preference import parse_record
+    from giantmodel.data.preference_builtin import tiny_preferences
+    from giantmodel.data.sft_builtin import ensure_tiny_chat_model
+
+    model_dir = ensure_tiny_chat_model(DataConfig().resolved_cache_dir())
+    train, _ = tiny_preferences(num_train=num_pairs, num_valid=0)
+    path = out_dir / "pairs.jsonl"
+    with path.open("w") as f:
+        for i, rec in enumerate(train):
+            prompt, chosen, rejected = parse_record(rec, f"pair {i}")
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return str(model_dir), str(path)
+
+
+# --------------------------------------------------------------------------- giantmodel side
+
+def giantmodel_side(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from giantmodel.config import load_config
+    from giantmodel.core.precision import Precision
+    from giantmodel.data.loader import rows_to_batch
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.objectives.dpo import DPO
+    from giantmodel.train.trainer import build_engine
+
+    B = spec["batch"]
+    overrides = TINY_SHAPE + [
+        "objective=dpo", "data.source=preference", f"data.paths=[{spec['data']}]",
+        "data.valid_fraction=0", f"checkpoint.init_from={spec['model']}",
+        f"train.seq_len={spec['max_length'] - 1}", f"train.global_batch_size={B}",
+        f"train.micro_batch_size={B}", "train.device=cpu", "precision=fp32",
+        f"optim.lr={spec['lr']}", "optim.warmup_steps=0", "optim.schedule=constant",
+        "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8",
+        "optim.grad_clip=1.0", f"dpo.loss_type={spec['loss_type']}", f"dpo.beta={spec['beta']}",
+        "dpo.truncation_mode=keep_start", f"dpo.use_lora={str(spec['lora']).lower()}",
+        f"lora.rank={spec['rank']}", f"lora.alpha={spec['alpha']}", "lora.targets=[all_linear]"]
+    cfg = load_config(overrides=overrides)
+    objective = DPO.from_config(cfg)
+    engine = build_engine(cfg, objective, ParallelDims.from_config(cfg, 1), torch.device("cpu"))
+    objective.load_pretrained(engine.parts, cfg.checkpoint.init_from)
+    loader, _ = objective.build_loaders(dp_rank=0, dp_size=1)
+    rows = loader.samples.blended.sources[0].rows  # pair rows in file order
+    precision, opt = Precision("fp32", "cpu"), engine.build_optimizer(cfg.optim)
+    records, times, tokens = [], [], []
+    for step in range(spec["steps"]):
+        chunk = rows[step * B:(step + 1) * B]
+        batch = rows_to_batch(chunk.reshape((2 * B,) + chunk.shape[2:]), packed=True)
+        t0 = time.perf_counter()
+        loss = engine.forward_backward([batch], precision)
+        metrics = objective.step_metrics()
+        engine.clip_grad_norm_(cfg.optim.grad_clip)
+        engine.optimizer_step(opt)
+        engine.zero_grad(opt)
+        times.append(time.perf_counter() - t0)
+        tokens.append(int((batch["document_ids"] >= 0).sum()))
+        records.append({"loss": loss, **metrics})
+    return {"records": records, "times": times, "tokens": tokens,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+# --------------------------------------------------------------------------- TRL side
+
+def trl_side(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    data = load_dataset("json", data_files=spec["data"], split="train")
+    peft_config = None
+    if spec["lora"]:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
+    records: list[dict] = []
+    times: list[float] = []
+
+    class Recording(DPOTrainer):
+        def _compute_loss(self, model, inputs, return_outputs):
+            out = super()._compute_loss(model, inputs, return_outputs)
+            if self.model.training:
+                loss = out[0] if isinstance(out, tuple) else out
+                m = self._metrics["train"]
+                records.append({"loss": float(loss.detach()), **{k: m[k][-1] for k in METRICS}})
+            return out
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = DPOConfig(
+            output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=spec["steps"],
+            learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+            max_grad_norm=1.0, beta=spec["beta"], loss_type=[spec["loss_type"]],
+            max_length=spec["max_length"], truncation_mode="keep_start", logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
+            train_sampling_strategy="sequential", disable_dropout=True)
+        trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tok,
+                            peft_config=peft_config, callbacks=[Clock()])
+        trainer.train()
+    return {"records": records, "times": times, "peak_rss_mb": _peak_rss_mb()}
+
+
+# --------------------------------------------------------------------------- driver
+
+def trl_python() -> Path:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers.venvs import Peer, ensure
+
+    return ensure(Peer("trl", (TRL_VERSION,)), say=lambda m: print(m, file=sys.stderr))
+
+
+def run_side(side: str, spec: dict, python: str | Path = sys.executable,
+             timeout: float = 900) -> dict:
+    """One side in a fresh process (its own peak RSS); the result as a dict."""
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(spec["threads"]),
+               "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run([str(python), __file__, "--side", side, "--spec", str(spec_path),
+                               "--out", str(out_path)], capture_output=True, text=True,
+                              env=env, timeout=timeout, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{side} side failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out_path.read_text())
+
+
+def spec_for(model: str, data: str, *, loss_type: str = "sigmoid", lora: bool = False,
+             steps: int = 4, batch: int = 4, threads: int = 1) -> dict:
+    return {"model": model, "data": data, "loss_type": loss_type, "lora": lora, "steps": steps,
+            "batch": batch, "threads": threads, "lr": 1e-3 if lora else 1e-4, "beta": 0.1,
+            "max_length": 96, "rank": 8, "alpha": 16.0}
+
+
+def tokens_per_s(result: dict, tokens: list[int]) -> float:
+    """Over every step but the first (warm-up)."""
+    return sum(tokens[1:]) / max(sum(result["times"][1:]), 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--side", choices=("giantmodel", "trl"))
+    ap.add_argument("--spec")
+    ap.add_argument("--out")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8, help="pairs per step")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    if a.side:
+        fn = giantmodel_side if a.side == "giantmodel" else trl_side
+        Path(a.out).write_text(json.dumps(fn(json.loads(Path(a.spec).read_text()))))
+        return
+    py = trl_python()
+    rows, out = [], {"machine": platform.processor() or platform.machine(),
+                     "cpus": os.cpu_count(), "threads": a.threads, "steps": a.steps,
+                     "batch_pairs": a.batch, "cases": {}}
+    with tempfile.TemporaryDirectory() as d:
+        model, data = make_inputs(Path(d), a.steps * a.batch)
+        for mode in ("lora", "full"):
+            spec = spec_for(model, data, lora=mode == "lora", steps=a.steps, batch=a.batch,
+                            threads=a.threads)
+            gm = run_side("giantmodel", spec)
+            trl = run_side("trl", spec, py)
+            g_tps, t_tps = tokens_per_s(gm, gm["tokens"]), tokens_per_s(trl, gm["tokens"])
+            out["cases"][mode] = {"giantmodel": gm, "trl": trl, "giantmodel_tokens_per_s": g_tps,
+                                  "trl_tokens_per_s": t_tps}
+            rows.append((mode, g_tps, t_tps, gm["peak_rss_mb"], trl["peak_rss_mb"],
+                         abs(gm["records"][0]["loss"] - trl["records"][0]["loss"])))
+    print(f"{'mode':6} {'gm tok/s':>9} {'trl tok/s':>9} {'speedup':>8} {'gm MB':>7} "
+          f"{'trl MB':>7} {'|dloss0|':>9}")
+    for mode, g, t, gm_mb, trl_mb, dl in rows:
+        print(f"{mode:6} {g:9.0f} {t:9.0f} {g / t:7.2f}x {gm_mb:7.0f} {trl_mb:7.0f} {dl:9.2e}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
