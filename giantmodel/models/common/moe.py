@@ -139,13 +139,17 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _loop(x: torch.Tensor, counts: list[int], w1, w3, w2) -> torch.Tensor:
-        """One matmul per expert (the CPU path): torch.split needs the counts on the host."""
+        """One matmul per expert (the CPU path): torch.split needs the counts on the host.
+        The weights are unbound once rather than indexed per expert: the
+        backward of ``w[e]`` writes a zero-filled [E, in, out] gradient per
+        expert, that of ``unbind`` stacks the E gradients into one."""
         outs = []
-        for e, xe in enumerate(torch.split(x, counts)):
-            if e >= w1.shape[0] or xe.shape[0] == 0:
-                outs.append(torch.zeros_like(xe))  # dropped rows (or none): never read
-                continue
-            outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        chunks = torch.split(x, counts)
+        for xe, a, b, c in zip(chunks, w1.unbind(0), w3.unbind(0), w2.unbind(0)):
+            # an expert with no rows passes its empty chunk through
+            outs.append((F.silu(xe @ a) * (xe @ b)) @ c if xe.shape[0] else xe)
+        if len(chunks) > w1.shape[0]:
+            outs.append(torch.zeros_like(chunks[-1]))  # dropped rows: never read
         return torch.cat(outs)
 
     @staticmethod
