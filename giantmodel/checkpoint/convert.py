@@ -49,7 +49,6 @@ from giantmodel.config.errors import UserInputError
 from giantmodel.config.loader import to_dict
 from giantmodel.config.train import CheckpointConfig
 from giantmodel.models.families import family_of
-from giantmodel.models.families.llama import LAYER as LLAMA_LAYER
 from giantmodel.models.hf import from_hf, plain_state, save_hf
 from giantmodel.models.lora import merge_lora_state, save_peft_adapter
 
@@ -107,15 +106,15 @@ def to_peft_dir(src: str | Path, dst: str | Path, step: int | None = None,
     lora = read_lora_settings(step_dir)
     if lora is None:
         raise UserInputError(f"--to peft: {step_dir} was not trained with objective: lora")
-    family = family_of(read_model_config(step_dir))
-    if not LLAMA_LAYER.items() <= family.names.layer.items():
-        raise UserInputError(f"--to peft writes adapters of the llama layer layout (llama, qwen2, "
-                             f"qwen3, mistral), not {family.name}; use --to hf --merge-lora")
+    cfg = read_model_config(step_dir)
+    family = family_of(cfg)
     settings, base = lora
     state = plain_state(load_model_from_checkpoint(step_dir))
+    # The family's own HF names; its fused modules (Phi-3's qkv_proj) take
+    # their parts' adapters combined into one exact LoRA
     save_peft_adapter(state, dst, targets=settings.targets, rank=settings.rank,
                       alpha=settings.alpha, dropout=settings.dropout, base_model=base,
-                      dtype=dtype)
+                      dtype=dtype, names=family.names, cfg=cfg, family=family.name)
     return step_dir
 
 

@@ -30,6 +30,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from giantmodel.config.errors import UserInputError
+from giantmodel.config.model import ModelConfig
+from giantmodel.models.families.base import NameMap
+from giantmodel.models.families.llama import LLAMA_NAMES
 from giantmodel.models.hf import _LLAMA_LAYER
 
 # HF LLaMA module names -> giantmodel names inside a block.
@@ -40,7 +43,6 @@ NATIVE_TARGETS = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.w
                   "wo": "attention.wo", "w1": "feed_forward.w1", "w2": "feed_forward.w2",
                   "w3": "feed_forward.w3"}
 ALL_LINEAR = ("all_linear", "all-linear")
-_TO_HF = {v: k for k, v in HF_TARGETS.items()}
 
 
 class LoRALinear(nn.Module):
@@ -263,15 +265,7 @@ def merge_lora_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str
 def to_peft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Adapter tensors under the names PEFT saves for a LlamaForCausalLM
     (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``)."""
-    inv = {v: k for k, v in _LLAMA_LAYER.items()}
-    out = {}
-    for name, t in state.items():
-        if not is_lora_param(name):
-            continue
-        module, which = _module_of(name)
-        _, idx, path = module.split(".", 2)
-        out[f"base_model.model.model.layers.{idx}.{inv[path]}.{which}.weight"] = t
-    return out
+    return peft_state(state, LLAMA_NAMES, None)[0]
 
 
 def from_peft_state(peft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -287,35 +281,132 @@ def from_peft_state(peft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_adapter_config(targets: list[str], rank: int, alpha: float, dropout: float,
-                        base_model: str | None) -> dict:
-    """``adapter_config.json`` for the adapters :func:`block_targets` names."""
-    paths = block_targets(targets, "llama")
+def peft_state(state: dict[str, torch.Tensor], names: NameMap, cfg: ModelConfig | None,
+               family: str = "llama") -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], int]]:
+    """Adapter tensors under the names PEFT saves for the family's HF model
+    (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``),
+    through its :class:`NameMap`; and, per (layer, HF module), how many
+    adapters it combines.
+
+    A fused HF module (Phi-3's ``qkv_proj``) packs several adapted linears:
+    their adapters become one exact LoRA of rank k*r on it, A the k A's
+    stacked [k*r, in] and B block-diagonal [out, k*r] (zero rows where a
+    part is not adapted), so B A x is each part's own update in its rows.
+    Its scaling must stay alpha / r: :func:`peft_adapter_config` gives it
+    r and lora_alpha both times k."""
+    hf_of = {v: k for k, v in names.layer.items()}
+    fused_of = {part: hf for hf, f in names.fused.items() for part in f.parts}
+    prefix = f"base_model.model.{names.base}{names.layers}"
+    out: dict[str, torch.Tensor] = {}
+    combined: dict[tuple[int, str], int] = {}
+    pending: dict[tuple[int, str], dict[str, tuple]] = {}
+    for name, a in state.items():
+        if ".lora_A." not in name:
+            continue
+        module, _ = _module_of(name)
+        _, idx, path = module.split(".", 2)
+        b = state[f"{module}.lora_B.weight"]
+        if path in hf_of:
+            key = f"{prefix}.{idx}.{hf_of[path]}"
+            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = a, b
+            combined[(int(idx), hf_of[path])] = 1
+        elif path in fused_of and cfg is not None:
+            pending.setdefault((int(idx), fused_of[path]), {})[path] = (a, b)
+        else:
+            raise UserInputError(f"--to peft: {family} has no Hugging Face module for the "
+                                 f"adapted {module}; use --to hf --merge-lora")
+    for (idx, hf), parts in pending.items():
+        fused = names.fused[hf]
+        a, b = _fused_adapter(fused.parts, fused.sizes(cfg), parts)
+        key = f"{prefix}.{idx}.{hf}"
+        out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = a, b
+        combined[(idx, hf)] = len(parts)
+    return out, combined
+
+
+def _fused_adapter(order: tuple[str, ...], sizes: tuple[int, ...],
+                   parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [k*r, in], B [sum(sizes), k*r]) of the adapted ``parts`` of a fused
+    module whose rows are ``order`` with ``sizes``: B's block j is part j's
+    B in that part's rows, so (B A) restricted to a part is its own B A."""
+    present = [p for p in order if p in parts]
+    a = torch.cat([parts[p][0] for p in present])
+    r = parts[present[0]][0].shape[0]
+    ref = parts[present[0]][1]
+    b = ref.new_zeros(sum(sizes), r * len(present))
+    row, col = 0, 0
+    for p, size in zip(order, sizes, strict=True):
+        if p in parts:
+            pb = parts[p][1]
+            if pb.shape != (size, r):
+                raise ValueError(f"{p}'s lora_B is {tuple(pb.shape)}, expected {(size, r)}")
+            b[row:row + size, col:col + r] = pb
+            col += r
+        row += size
+    return a, b
+
+
+def peft_adapter_config(modules: list[str], rank: int, alpha: float, dropout: float,
+                        base_model: str | None, *,
+                        combined: dict[tuple[int, str], int] | None = None,
+                        names: NameMap = LLAMA_NAMES) -> dict:
+    """``adapter_config.json`` naming the HF ``modules`` (paths inside a
+    layer) that hold adapters: by their last name where no other layer
+    module shares it, else by the path. A module combining k adapters
+    (:func:`peft_state`) gets rank k*r and lora_alpha k*alpha in
+    ``rank_pattern`` / ``alpha_pattern``: the same alpha / r scaling."""
+    known = [*names.layer, *names.fused]
+    short = {m: m.rsplit(".", 1)[-1] for m in modules}
+    targets = sorted(short[m] if sum(k.rsplit(".", 1)[-1] == short[m] for k in known) == 1
+                     else m for m in modules)
+    rank_pattern, alpha_pattern = {}, {}
+    by_module: dict[str, set[int]] = {}
+    for (_, hf), k in (combined or {}).items():
+        by_module.setdefault(hf, set()).add(k)
+    for (idx, hf), k in (combined or {}).items():
+        if by_module[hf] == {1}:
+            continue
+        # one key per module where every layer combines the same parts
+        key = hf if len(by_module[hf]) == 1 else f"{names.layers}.{idx}.{hf}"
+        rank_pattern[key], alpha_pattern[key] = k * rank, k * alpha
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-        "lora_dropout": dropout, "target_modules": sorted(_TO_HF[p] for p in paths),
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "lora_dropout": dropout, "target_modules": targets, "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern, "bias": "none",
+        # HF Conv1D (GPT-2) weights are [in, out]; the adapters are not
+        "fan_in_fan_out": any(m in names.transposed for m in modules),
+        "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "base_model_name_or_path": base_model,
         "revision": None,
     }
 
 
-def save_peft_adapter(state: dict[str, torch.Tensor], out_dir, *, targets: list[str], rank: int,
-                      alpha: float, dropout: float = 0.0, base_model: str | None = None,
-                      dtype: torch.dtype | None = None) -> list:
+def save_peft_adapter(state: dict[str, torch.Tensor], out_dir, *, targets: list[str] | None = None,
+                      rank: int, alpha: float, dropout: float = 0.0,
+                      base_model: str | None = None, dtype: torch.dtype | None = None,
+                      names: NameMap = LLAMA_NAMES, cfg: ModelConfig | None = None,
+                      family: str = "llama") -> list:
     """Write a PEFT adapter directory (``adapter_config.json`` +
-    ``adapter_model.safetensors``) from a state holding LLaMA adapters."""
+    ``adapter_model.safetensors``) from a state holding a family's adapters
+    (``names``: its HF names; ``cfg``: the model's shape, needed where a
+    fused HF module combines adapters). ``adapter_config.json`` names the
+    modules that hold adapters, which ``targets`` (the run's lora.targets)
+    chose."""
+    del targets  # the state says which modules were adapted
     out = Path(out_dir)
     if (out / "adapter_model.safetensors").exists():
         raise UserInputError(f"{out} already holds an adapter; export into an empty directory")
-    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous()
-               for k, v in to_peft_state(state).items()}
+    tensors, combined = peft_state(state, names, cfg, family)
+    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
     if not tensors:
         raise UserInputError("the checkpoint holds no LoRA adapters (was it trained with "
                              "objective: lora?)")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    cfg = peft_adapter_config(targets, rank, alpha, dropout, base_model)
-    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    modules = sorted({hf for _, hf in combined})
+    cfg_json = peft_adapter_config(modules, rank, alpha, dropout, base_model, combined=combined,
+                                   names=names)
+    (out / "adapter_config.json").write_text(json.dumps(cfg_json, indent=2))
     return [out / "adapter_model.safetensors", out / "adapter_config.json"]
