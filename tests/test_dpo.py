@@ -36,7 +36,7 @@ TINY = ["model.arch=llama", "model.hidden_size=64", "model.num_layers=2", "model
         "model.max_seq_len=128"]
 TRAIN = ["objective=dpo", "data.source=preference", "data.valid_fraction=0",
          "train.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2",
-         "train.device=cpu", "optim.lr=0.003", "optim.eps=1e-6", "optim.warmup_steps=0",
+         "train.device=cpu", "optim.lr=0.002", "optim.eps=1e-5", "optim.warmup_steps=0",
          "optim.schedule=constant", "optim.grad_clip=1.0", "precision=fp32",
          "dpo.max_prompt_length=40", "lora.rank=4", "lora.alpha=8.0",
          "lora.targets=[all_linear]"]
