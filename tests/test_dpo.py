@@ -298,3 +298,22 @@ def test_layouts_match_one_process(pairs_file):
         for name, want in ref["params"].items():
             np.testing.assert_allclose(got["params"][name], want, rtol=1e-5, atol=1e-5,
                                        err_msg=f"{label}: {name}")
+
+
+def test_trainer_logs_trl_metrics_to_metrics_jsonl(pairs_file, tmp_path):
+    from giantmodel.train.trainer import Trainer
+
+    cfg = load_config(overrides=TINY + TRAIN + [
+        f"data.paths=[{pairs_file}]", "dpo.use_lora=true", "train.steps=2", "train.log_every=1",
+        "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0",
+        f"run.dir={tmp_path / 'run'}", "run.tensorboard=false", "run.progress=false"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rewards/margins" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[0]["rewards/chosen"] == steps[0]["rewards/rejected"] == 0.0
+    assert {"rewards/accuracies", "logps/chosen", "logps/rejected"} <= steps[1].keys()
