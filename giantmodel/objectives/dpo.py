@@ -246,10 +246,12 @@ class DPO(BaseObjective):
         sums = self._sums if self._sums is not None else torch.zeros(7, dtype=torch.float64)
         self._sums = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            device = sums.device if sums.device.type != "meta" else torch.device("cpu")
-            if dist.get_backend() == "nccl" and device.type != "cuda":
-                device = torch.device("cuda", torch.cuda.current_device())
-            sums = all_reduce_sum_(sums.to(device), dist.group.WORLD)
+            # A rank that scored no pair (a pipeline stage before the last)
+            # holds host zeros; NCCL-backed groups reduce device tensors only.
+            if sums.device.type == "cpu" and torch.cuda.is_available() and \
+                    dist.get_backend() != "gloo":
+                sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
+            sums = all_reduce_sum_(sums, dist.group.WORLD)
         return metric_means(sums.cpu())
 
     # ------------------------------------------------------------ pipelines
