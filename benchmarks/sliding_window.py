@@ -6,7 +6,9 @@ layers attending through a 128-token window, against the identical model
 with every layer global. Each variant runs forward + backward steps in its
 own fresh subprocess (so its peak resident set is its own); the two
 alternate, rep by rep, so that both see the same host load, and the table
-reports the median step time and the peak RSS.
+reports the median and the fastest step time, the peak RSS, and the peak
+live heap of one more (untimed) step: glibc's bytes in use read after every
+op, which, unlike RSS, does not move with the allocator's free-block reuse.
 
     PYTHONPATH=. python benchmarks/sliding_window.py [--reps 5] [--json out.json]
 """
@@ -51,15 +53,55 @@ def child(variant: str, steps: int, batch: int) -> dict:
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
-                                          tokens[:, 1:].flatten()).backward()
-        model.zero_grad(set_to_none=True)
-        del logits
+        _step(model, tokens)
         if i:
             times.append(time.perf_counter() - t0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"variant": variant, "step_s": times, "peak_rss_mib": peak_kib / 1024}
+    heap = _peak_live_heap(lambda: _step(model, tokens))
+    return {"variant": variant, "step_s": times, "peak_rss_mib": peak_kib / 1024,
+            "peak_heap_mib": heap / 2 ** 20 if heap else None}
+
+
+def _step(model, tokens) -> None:
+    import torch
+
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                      tokens[:, 1:].flatten()).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _peak_live_heap(step) -> int | None:
+    """Peak of glibc's in-use bytes (heap + mmapped chunks) over ``step``,
+    read after every op it dispatches; None without glibc's mallinfo2."""
+    import ctypes
+    import ctypes.util
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        return None
+
+    class Info(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = Info
+
+    class Peak(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            info = libc.mallinfo2()
+            Peak.peak = max(Peak.peak, info.uordblks + info.hblkhd)
+            return out
+
+    with Peak():
+        step()
+    return Peak.peak
 
 
 def main() -> None:
@@ -83,16 +125,24 @@ def main() -> None:
             runs[variant].append(json.loads(out.strip().splitlines()[-1]))
     print(f"Gemma 3 ({LAYERS} layers, 5 local + 1 global), {SEQ} tokens x batch {args.batch}, "
           f"window {WINDOW}; forward+backward, median of {args.reps} x {args.steps} steps")
-    print("| variant | step s (median) | peak RSS MiB (median) |")
-    print("|---|---|---|")
+    print("| variant | step s (median) | step s (fastest) | peak RSS MiB (median) "
+          "| peak live heap MiB (median) |")
+    print("|---|---|---|---|---|")
     summary = {}
     for variant, rs in runs.items():
-        step = statistics.median(t for r in rs for t in r["step_s"])
-        rss = statistics.median(r["peak_rss_mib"] for r in rs)
-        summary[variant] = {"step_s": step, "peak_rss_mib": rss}
-        print(f"| {variant} | {step:.3f} | {rss:.0f} |")
-    print(f"sliding / full: time {summary['sliding']['step_s'] / summary['full']['step_s']:.2f}x, "
-          f"peak RSS {summary['sliding']['peak_rss_mib'] / summary['full']['peak_rss_mib']:.3f}x")
+        steps = [t for r in rs for t in r["step_s"]]
+        heaps = [r["peak_heap_mib"] for r in rs if r["peak_heap_mib"] is not None]
+        summary[variant] = {"step_s": statistics.median(steps), "fastest_s": min(steps),
+                            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+                            "peak_heap_mib": statistics.median(heaps) if heaps else float("nan")}
+        v = summary[variant]
+        print(f"| {variant} | {v['step_s']:.3f} | {v['fastest_s']:.3f} | {v['peak_rss_mib']:.0f} "
+              f"| {v['peak_heap_mib']:.1f} |")
+    s, f = summary["sliding"], summary["full"]
+    print(f"sliding / full: time {s['step_s'] / f['step_s']:.2f}x (fastest "
+          f"{s['fastest_s'] / f['fastest_s']:.2f}x), peak RSS "
+          f"{s['peak_rss_mib'] / f['peak_rss_mib']:.3f}x, peak live heap "
+          f"{s['peak_heap_mib'] / f['peak_heap_mib']:.4f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "runs": runs}, f, indent=1)
