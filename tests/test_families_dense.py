@@ -12,6 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import logits as _logits  # noqa: E402
+from hf_helpers import perturb  # noqa: E402
+
 from giantmodel.checkpoint.convert import add_arguments, main  # noqa: E402
 from giantmodel.config.errors import ConfigError, UserInputError  # noqa: E402
 from giantmodel.config.model import ModelConfig  # noqa: E402
@@ -38,11 +41,7 @@ def make_hf(family: str, **overrides):
     cfg_cls, model_cls = (getattr(transformers, n) for n in classes[family])
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**{**BASE, **overrides})).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+    return perturb(model)
 
 
 CASES = {
@@ -58,12 +57,6 @@ CASES = {
 
 def _tokens(B=2, T=32):
     return torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(2))
-
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        out = model(tokens)
-    return getattr(out, "logits", out)
 
 
 @pytest.mark.timeout(120)

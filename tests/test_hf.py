@@ -10,6 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import perturb
+
 from giantmodel.config.errors import UserInputError
 from giantmodel.models.hf import from_hf, hf_config_to_model_config, load_hf_into, to_hf
 
@@ -39,11 +41,7 @@ def _gpt2(**overrides):
 def _randomize(model):
     """HF inits norms to ones and biases to zeros; perturb every tensor so a
     swapped or untransposed weight cannot hide."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+    return perturb(model)
 
 
 CASES = {

@@ -18,6 +18,8 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import logits as _logits
+
 from giantmodel.checkpoint import load_model_from_checkpoint  # noqa: E402
 from giantmodel.checkpoint.convert import add_arguments, main  # noqa: E402
 from giantmodel.checkpoint.weights import load_model_weights  # noqa: E402
@@ -87,12 +89,6 @@ CASES = {
 
 def _tokens(B=2, T=40):
     return torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(2))
-
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        out = model(tokens)
-    return getattr(out, "logits", out)
 
 
 def _max_diff(a, b) -> float:

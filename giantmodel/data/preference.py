@@ -43,7 +43,7 @@ from giantmodel.core.loss import IGNORE_INDEX
 from giantmodel.data.chat import ROLES, ChatTemplate, token_string
 from giantmodel.data.conversations import read_records
 from giantmodel.data.samples import BlendedSamples, split_documents
-from giantmodel.data.sft import PAD_DOCUMENT
+from giantmodel.data.sft import PAD_DOCUMENT, SFTRows
 
 Text = str | list  # a string, or a list of {"role", "content"} messages
 
@@ -229,19 +229,12 @@ def build_pair_rows(pairs: list[tuple], seq_len: int, pack: bool, pad_id: int,
     return rows
 
 
-class PreferenceRows:
-    """Pair rows as a sample source for :class:`BlendedSamples`."""
+class PreferenceRows(SFTRows):
+    """Pair rows as a sample source for :class:`BlendedSamples` (each row holds
+    a pair's chosen and rejected sides; served like fine-tuning rows)."""
 
     def __init__(self, rows: np.ndarray, seq_len: int, packed: bool, name: str = "preference"):
-        self.rows, self.seq_len, self.packed, self.name = rows, seq_len, packed, name
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def get(self, i: int) -> np.ndarray:
-        if not 0 <= i < len(self.rows):
-            raise IndexError(i)
-        return self.rows[i]
+        super().__init__(rows, seq_len, packed, name)
 
 
 class PairSamples:
