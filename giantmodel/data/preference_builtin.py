@@ -11,10 +11,9 @@ pairs never appear in training.
 
 from __future__ import annotations
 
-import json
 import random
 
-from giantmodel.data.sft_builtin import _SYSTEMS, _TASKS
+from giantmodel.data.sft_builtin import _SYSTEMS, _TASKS, seeded_split
 
 _TRAIN_SEED, _VALID_SEED = 17, 18
 NUM_TRAIN, NUM_VALID = 600, 60
@@ -38,13 +37,4 @@ def _pair(r: random.Random) -> dict:
 def tiny_preferences(num_train: int = NUM_TRAIN, num_valid: int = NUM_VALID
                      ) -> tuple[list[dict], list[dict]]:
     """The bundled training and held-out preference records."""
-    r = random.Random(_TRAIN_SEED)
-    train = [_pair(r) for _ in range(num_train)]
-    seen = {json.dumps(x, sort_keys=True) for x in train}
-    r = random.Random(_VALID_SEED)
-    valid: list[dict] = []
-    while len(valid) < num_valid:
-        rec = _pair(r)
-        if json.dumps(rec, sort_keys=True) not in seen:
-            valid.append(rec)
-    return train, valid
+    return seeded_split(_pair, num_train, num_valid, _TRAIN_SEED, _VALID_SEED)

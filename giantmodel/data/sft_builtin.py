@@ -195,13 +195,20 @@ def tiny_instructions(num_train: int = NUM_TRAIN, num_valid: int = NUM_VALID
                       ) -> tuple[list[dict], list[dict]]:
     """The bundled training and held-out records (no held-out record appears
     verbatim in training)."""
-    r = random.Random(_TRAIN_SEED)
-    train = [_record(r) for _ in range(num_train)]
+    return seeded_split(_record, num_train, num_valid, _TRAIN_SEED, _VALID_SEED)
+
+
+def seeded_split(make, num_train: int, num_valid: int, train_seed: int, valid_seed: int
+                 ) -> tuple[list[dict], list[dict]]:
+    """``num_train`` records ``make(rng)`` from one seed and ``num_valid``
+    held-out ones from another, none of which appears verbatim in training."""
+    r = random.Random(train_seed)
+    train = [make(r) for _ in range(num_train)]
     seen = {json.dumps(x, sort_keys=True) for x in train}
-    r = random.Random(_VALID_SEED)
+    r = random.Random(valid_seed)
     valid: list[dict] = []
     while len(valid) < num_valid:
-        rec = _record(r)
+        rec = make(r)
         if json.dumps(rec, sort_keys=True) not in seen:
             valid.append(rec)
     return train, valid
