@@ -6,7 +6,7 @@ The work: the suite's model at micro-batch 1 (one 256-token sequence per
 rank, global batch 4), so that moving the gradients and parameters is most
 of the step, as it is for a GPU cluster on such links; at micro-batch 4 the
 4 ranks sharing 2 cores are compute-bound and no communication strategy
-shows (benchmarks/RESULTS.md, case 2, 2026-11-24).
+shows (benchmarks/results/peers-cluster-2026-11-24.md).
 
 Systems: giantmodel at its defaults (``comm.backend: auto`` picks the giant
 backend, hierarchical across the emulated hosts: it finds them by host

@@ -42,8 +42,8 @@ def backend_for(cfg: CommConfig, device_type: str,
     several ranks, gloo for one process. On one host its shared-memory core
     is faster than gloo at every ZeRO stage and in pipelines; across hosts
     its hierarchical all-reduce, reduce-scatter and all-gather put half or
-    less of gloo's flat-ring bytes on the network (benchmarks/RESULTS.md,
-    peers, cases 1 and 2). The choice depends on the world size alone, so
+    less of gloo's flat-ring bytes on the network (benchmarks/results/,
+    peers files, cases 1 and 2). The choice depends on the world size alone, so
     the ranks of an unevenly launched job agree on it too; groups over
     uneven hosts, and hosts without the C++ core, run their collectives on
     gloo inside it. For "giant" the options carry the config's tuning fields

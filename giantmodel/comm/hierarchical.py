@@ -52,7 +52,7 @@ class HierarchicalAllReduce:
     ones from 4 MB up (16 MB: reduce-scatter 0.15-0.16 against 0.11 GB/s
     bus bandwidth, all-gather 0.16 against 0.11-0.13), and a ZeRO-1 step of
     21 MB of gradients ran at 1,800-1,926 tok/s against 1,528-1,767
-    (benchmarks/RESULTS.md, 2026-11-27). All-reduce keeps PIECE_BYTES: 2 MB
+    (benchmarks/results/peers-2026-11-27.md). All-reduce keeps PIECE_BYTES: 2 MB
     pieces were slower there at 4 MB."""
 
     def __init__(self, shm: ShmGroup, store, topo: Topology, timeout: timedelta):

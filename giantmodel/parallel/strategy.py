@@ -112,7 +112,7 @@ def strategy_name(*, zero: int, dp_cp: int, hybrid: bool, pp: int, padding: floa
     :data:`~giantmodel.parallel.flat_buffer.MAX_FIRST_BUCKET`. On a CPU the
     ranks' own cores run the collectives, so the flat buffers' one bucket
     loses nothing there, and FSDP2's per-unit work costs more (2 emulated
-    hosts x 2 ranks, benchmarks/RESULTS.md, 2026-11-27)."""
+    hosts x 2 ranks, benchmarks/results/peers-2026-11-27.md)."""
     if dp_cp == 1:
         return "none"
     if zero == 3 or (zero >= 2 and hybrid) or (zero == 2 and pp > 1):

@@ -6,7 +6,7 @@ which is what a ring or tree collective can drive. The ``*_efficiency``
 fields (and ``matmul_tile_knee``) say which share of a peak real kernels
 reach; they are the only tuned numbers in the planner, fitted on one
 published source only (``benchmarks/planner_published.py --fit``) and tested
-on the others (``benchmarks/RESULTS.md``, Planner section).
+on the others (``benchmarks/results/planner-published-2026-11-24.md``).
 """
 
 from __future__ import annotations
