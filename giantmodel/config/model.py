@@ -133,8 +133,12 @@ class ModelConfig:
     """Gate activation of the gated MLP: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with tanh-approximated GELU, Gemma)."""
     embed_scale: bool = False
     """Multiply token embeddings by sqrt(hidden_size), rounded to the embedding's dtype (Gemma)."""
+    attn_softcap: float | None = None
+    """Soft-cap of the attention scores before the softmax, s -> tanh(s / cap) * cap (Gemma 2's attn_logit_softcapping; a math or flex kernel, never SDPA); null: none."""
+    final_softcap: float | None = None
+    """Soft-cap of the output logits, tanh(logits / cap) * cap (Gemma 2's final_logit_softcapping; the loss then runs plain, not chunked); null: none."""
     family: str | None = None
-    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral, gemma3_text, phi3, mixtral, qwen3_moe, deepseek_v3); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
+    """Hugging Face model family the weights convert to and from (config.json's model_type: llama, gpt2, qwen2, qwen3, mistral, gemma2, gemma3_text, phi3, mixtral, qwen3_moe, deepseek_v3); null: the arch's own (llama or gpt2). Set by conversion from Hugging Face."""
 
     @property
     def kv_heads(self) -> int:
@@ -183,7 +187,8 @@ class ModelConfig:
         # block has biases everywhere and no window or qk-norm.
         llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window",
                       "layer_types", "rope_local_theta", "partial_rotary_factor", "attn_scale",
-                      "post_norms", "mlp_activation", "embed_scale", "mla")
+                      "post_norms", "mlp_activation", "embed_scale", "mla", "attn_softcap",
+                      "final_softcap")
         refuse_unused(self, "model", "arch", {k: ("llama",) for k in llama_only})
 
     def _validate_layer_pattern(self) -> None:

@@ -192,6 +192,11 @@ def resolve_loss_impl(requested: str, head: nn.Module | None, device_type: str, 
         return "plain", "the output head is sharded over tp (vocab-parallel loss)"
     if not isinstance(head, nn.Linear) or head.bias is not None:
         return "plain", "the output head is not a bias-free linear"
+    if getattr(head, "softcap", None) is not None:
+        # The fused losses take the bare weight, so they would drop the cap;
+        # capping inside each chunk would need its own backward, and Gemma 2's
+        # vocabulary is where the plain loss's full logits cost the most.
+        return "plain", "the output head soft-caps its logits (model.final_softcap)"
     if requested == "auto":
         return ("liger" if device_type == "cuda" and liger_installed() else "chunked"), ""
     return requested, ""

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from giantmodel.config.model import ModelConfig, RopeScaling
-from giantmodel.models.common.masks import masked_attention, sliding_attention, window_band
+from giantmodel.models.common.masks import (
+    masked_attention,
+    sliding_attention,
+    softcap_attention,
+    window_band,
+)
 
 
 class RMSNorm(nn.Module):
@@ -125,23 +130,28 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 class CausalSDPA(nn.Module):
     """The attention core: softmax(QK^T/sqrt(d)) V with a causal mask, or a
     sliding window of ``window`` keys (each query's own and the window - 1
-    before it) when set.
+    before it) when set, and the scores soft-capped (``softcap``, Gemma 2)
+    when set: that takes :func:`softcap_attention`'s kernels, never SDPA.
 
     A module of its own so that context parallelism can replace it and
     selective recompute can checkpoint exactly this part.
     Inputs are [B, H, T, D]; K/V may have fewer heads (GQA).
     """
 
-    def __init__(self, dropout: float = 0.0, window: int | None = None):
+    def __init__(self, dropout: float = 0.0, window: int | None = None,
+                 softcap: float | None = None):
         super().__init__()
         self.dropout = dropout
         self.window = window
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask=None) -> torch.Tensor:
         """``mask``: None for plain causal attention, else a packed-sequence
         mask from :func:`giantmodel.models.common.masks.document_mask`."""
         dropout = self.dropout if self.training else 0.0
+        if self.softcap is not None:
+            return softcap_attention(q, k, v, self.softcap, self.window, mask, dropout)
         if mask is not None:
             return masked_attention(q, k, v, mask, dropout, window=self.window)
         if self.window is not None and q.shape[2] > self.window:
@@ -185,11 +195,13 @@ class _LayerCache:
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the last ``q.shape[2]`` positions over all of ``k``
     (the cached keys first): lower-right aligned, which SDPA's ``is_causal``
     is only when the two lengths are equal. One new token sees every key,
     or the last ``window`` of them."""
+    if softcap is not None:  # lower-right aligned too
+        return softcap_attention(q, k, v, softcap, window)
     rows, span = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if window is not None and span > window:
@@ -208,13 +220,15 @@ class Attention(nn.Module):
     (``qk_norm_eps`` set, Qwen3; one weight [head_dim] shared by the heads,
     so tensor parallelism shards heads and replicates it), a sliding
     window (``window``, Mistral; per layer, Gemma), a softmax scale of
-    its own (``scale``, Gemma) and an RMSNorm on its output
-    (``out_norm_eps``, Gemma's post-attention norm)."""
+    its own (``scale``, Gemma), soft-capped scores (``softcap``, Gemma 2)
+    and an RMSNorm on its output (``out_norm_eps``, Gemma's post-attention
+    norm)."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  bias: bool = False, dropout: float = 0.0, *, qkv_bias: bool | None = None,
                  qk_norm_eps: float | None = None, window: int | None = None,
-                 scale: float | None = None, out_norm_eps: float | None = None):
+                 scale: float | None = None, out_norm_eps: float | None = None,
+                 softcap: float | None = None):
         super().__init__()
         self.head_dim = head_dim
         # Every kernel (SDPA, flash varlen, flex, context parallelism's split
@@ -231,7 +245,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.window = window
-        self.core = CausalSDPA(dropout, window)
+        self.softcap = softcap
+        self.core = CausalSDPA(dropout, window, softcap)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dropout: float = 0.0) -> Attention:
@@ -241,7 +256,8 @@ class Attention(nn.Module):
                    bias=cfg.attn_bias, dropout=dropout, qkv_bias=cfg.has_qkv_bias,
                    qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
                    window=cfg.sliding_window, scale=cfg.attn_scale,
-                   out_norm_eps=cfg.norm_eps if cfg.post_norms else None)
+                   out_norm_eps=cfg.norm_eps if cfg.post_norms else None,
+                   softcap=cfg.attn_softcap)
 
     def set_window(self, window: int | None) -> None:
         self.window = window
@@ -264,13 +280,28 @@ class Attention(nn.Module):
             q = q * self.q_mult
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
-            out = cached_attention(q, *cache.update(k, v), window=self.window)
+            out = cached_attention(q, *cache.update(k, v), window=self.window,
+                                   softcap=self.softcap)
         else:
             # The mask goes only where there is one, so a replaced core
             # (context parallelism) keeps its three-argument signature.
             out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
         out = self.wo(out.transpose(1, 2).reshape(B, T, -1))
         return self.out_norm(out) if hasattr(self, "out_norm") else out
+
+
+class SoftcapLinear(nn.Linear):
+    """The output head of a model with ``final_softcap`` (Gemma 2): logits
+    -> tanh(logits / cap) * cap. A Linear still (tensor parallelism shards
+    it alike: the cap is elementwise), but the fused losses, which take the
+    bare weight, see ``softcap`` and run the plain loss."""
+
+    def __init__(self, in_features: int, out_features: int, softcap: float):
+        super().__init__(in_features, out_features, bias=False)
+        self.softcap = softcap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x) / self.softcap) * self.softcap
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -342,14 +342,59 @@ def _build_document_mask(document_ids: torch.Tensor, compute_dtype: torch.dtype,
 _compiled_flex = None
 
 
-def _flex(q, k, v, block_mask, gqa: bool):
+def _flex(q, k, v, block_mask, gqa: bool, score_mod=None):
     # flex_attention is only fast compiled; compile it once per process.
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if score_mod is None:
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return _compiled_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+
+@functools.lru_cache(maxsize=8)
+def _softcap_mod(cap: float):
+    # One function object per cap: the compiled flex kernel guards on it, so
+    # a new closure per call would recompile every step.
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
+def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float,
+                      window: int | None = None, mask=None,
+                      dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention with the scores soft-capped before the softmax
+    (Gemma 2's ``attn_logit_softcapping``: s -> tanh(s / cap) * cap), which
+    SDPA and the flash kernels cannot do. ``q`` [B, H, rows, D] is the last
+    rows of ``k``'s span (lower-right aligned, as :func:`window_band`);
+    ``window`` and ``mask`` (a :class:`DenseMask` or :class:`FlexMask`) as in
+    :func:`masked_attention`. CUDA without dropout: flex attention with the
+    cap as its ``score_mod``; otherwise the math path, scores computed
+    explicitly (the softmax in fp32, as Hugging Face's eager Gemma 2)."""
+    rows, span = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, VarlenMask):
+        raise ValueError("soft-capped attention takes a dense or flex document mask, not varlen")
+    if q.is_cuda and not dropout_p and not isinstance(mask, DenseMask):
+        # window=span: a band as wide as the span is the plain causal mask
+        block = (mask.for_window(window) if mask is not None
+                 else _sliding_block_mask(rows, span, window or span, str(q.device)))
+        return _flex(q, k, v, block, gqa, _softcap_mod(float(softcap)))
+    allowed = (mask.for_window(window) if mask is not None
+               else window_band(rows, span, window or span, q.device))
+    if gqa:
+        k, v = compat.expand_kv_heads(k, v, q.shape[1], head_dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,

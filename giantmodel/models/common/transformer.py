@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 from giantmodel.config.model import ModelConfig
-from giantmodel.models.common.layers import Attention, KVCache, configure_block, rope_table
+from giantmodel.models.common.layers import (
+    Attention,
+    KVCache,
+    SoftcapLinear,
+    configure_block,
+    rope_table,
+)
 from giantmodel.models.common.masks import document_mask
 from giantmodel.models.common.mla import MLA
 from giantmodel.models.common.moe import MoE
@@ -49,7 +55,9 @@ class Transformer(nn.Module):
             for i in cfg.moe.sparse_layers(cfg.num_layers):
                 self.layers[str(i)].feed_forward = MoE(h, cfg.ffn_hidden_size, cfg.moe)
         self.norm: nn.Module | None = norm_cls(h, eps=cfg.norm_eps)
-        self.output: nn.Module | None = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.output: nn.Module | None = (
+            nn.Linear(h, cfg.vocab_size, bias=False) if cfg.final_softcap is None
+            else SoftcapLinear(h, cfg.vocab_size, cfg.final_softcap))
         self.uses_rope = not learned_positions
         # RoPE table: a non-persistent buffer, rebuilt by init_buffers() after
         # meta-device construction (it is never part of a checkpoint).
@@ -140,7 +148,10 @@ class Transformer(nn.Module):
         rope, rope_local = self._rope_tables(positions)
         mask = None
         if document_ids is not None:
-            mask = document_mask(document_ids, _compute_dtype(h))
+            # flash varlen has no score modifier: soft-capped attention
+            # takes the flex mask on CUDA (the dense one on the CPU)
+            kernel = "flex" if self.cfg.attn_softcap and h.is_cuda else "auto"
+            mask = document_mask(document_ids, _compute_dtype(h), kernel)
         if cache is not None and mask is not None:
             raise ValueError("a KV cache serves one sequence per row, not packed batches")
         for name, layer in self.layers.items():

@@ -12,6 +12,7 @@ from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig
 from giantmodel.models.families import (
     deepseek_v3,
+    gemma2,
     gemma3,
     gpt2,
     llama,
@@ -30,6 +31,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen2.FAMILY,
     qwen3.FAMILY,
     mistral.FAMILY,
+    gemma2.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
     mixtral.FAMILY,

@@ -1,0 +1,105 @@
+"""Gemma 2 (``Gemma2ForCausalLM``, model_type ``gemma2``).
+
+Gemma 3's block less qk-norm, plus soft-capping: the attention scores
+(``attn_logit_softcapping``, ModelConfig.attn_softcap) and the output logits
+(``final_logit_softcapping``, ModelConfig.final_softcap) pass through
+tanh(x / cap) * cap. Local (sliding-window) and global layers alternate,
+the first local (``layer_types``); one RoPE base serves both kinds. The
+softmax scale, the (1 + w) norms, the four norms per block, GeGLU and the
+embedding scale are Gemma 3's (see :mod:`.gemma3`).
+"""
+
+from __future__ import annotations
+
+from giantmodel.config.errors import UserInputError
+from giantmodel.config.model import ModelConfig
+from giantmodel.models.families.base import NameMap
+from giantmodel.models.families.gemma3 import (
+    GEMMA3_NAMES,
+    Gemma3Family,
+    _int_if_whole,
+    rope_scaling_from_hf,
+)
+
+GEMMA2_NAMES = NameMap(base=GEMMA3_NAMES.base, layers=GEMMA3_NAMES.layers, top=GEMMA3_NAMES.top,
+                       layer={k: v for k, v in GEMMA3_NAMES.layer.items()
+                              if not k.endswith(("q_norm", "k_norm"))})
+
+
+def _cap(value) -> float | None:
+    return float(value) if value else None
+
+
+class Gemma2Family(Gemma3Family):
+    name = "gemma2"
+    model_types = ("gemma2",)
+    architectures = ("Gemma2ForCausalLM",)
+    names = GEMMA2_NAMES
+    default_window_pattern = 2
+    """Gemma 2: local and global layers alternate, the first local."""
+
+    def config_from_hf(self, hf: dict) -> dict:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UserInputError(f"gemma2 hidden_activation {act!r} is not supported; "
+                                 "expected 'gelu_pytorch_tanh'")
+        if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
+            raise UserInputError("gemma2 with attention biases or bidirectional attention "
+                                 "is not supported")
+        layers = int(hf["num_hidden_layers"])
+        max_len = int(hf.get("max_position_embeddings", 8192))
+        params = hf.get("rope_parameters") or {}
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+        scaling = hf.get("rope_scaling") or (params if params else None)
+        heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or 256)
+        window = hf.get("sliding_window", 4096)
+        types = self._layer_types(hf, layers)
+        if not window or "sliding_attention" not in types or window >= max_len:
+            window, types = None, None  # no layer's window ever binds
+        return dict(
+            arch="llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=head_dim if head_dim * heads != hidden else None,
+            ffn_hidden_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+            max_seq_len=max_len, rope_theta=theta,
+            rope_scaling=rope_scaling_from_hf(scaling, max_len),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0,
+            sliding_window=int(window) if window else None, layer_types=types,
+            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
+            attn_softcap=_cap(hf.get("attn_logit_softcapping")),
+            final_softcap=_cap(hf.get("final_logit_softcapping")))
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        types = cfg.layer_types or ["full_attention"] * cfg.num_layers
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.dim_per_head ** -0.5
+        return {
+            "architectures": [self.architectures[0]], "model_type": self.name,
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.dim_per_head, "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+            "query_pre_attn_scalar": _int_if_whole(scale ** -2),
+            "sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types,
+            "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": False, "attention_dropout": 0.0,
+            "attn_logit_softcapping": cfg.attn_softcap,
+            "final_logit_softcapping": cfg.final_softcap,
+        }
+
+    def check(self, cfg: ModelConfig) -> None:
+        self.refuse(cfg, arch="llama", attn_bias=False, qkv_bias=False, qk_norm=False,
+                    post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
+                    partial_rotary_factor=1.0, rope_local_theta=None, rope_scaling=None)
+        if cfg.sliding_window is not None and cfg.layer_types is None:
+            raise UserInputError("model.sliding_window on every layer cannot be written in the "
+                                 "gemma2 format; set model.layer_types")
+
+
+FAMILY = Gemma2Family()

@@ -1,0 +1,91 @@
+"""Gemma 2: parity with transformers' Gemma2ForCausalLM on a tiny random
+config (fp32) with both soft-caps binding and a sequence past the window,
+the round trip back to HF, the KV-cache path and packed rows under the
+capped kernel, and the plain-loss fallback of a capped head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_helpers import logits as _logits  # noqa: E402
+from hf_helpers import perturb  # noqa: E402
+
+from giantmodel.core.loss import resolve_loss_impl  # noqa: E402
+from giantmodel.models.common.layers import KVCache  # noqa: E402
+from giantmodel.models.hf import from_hf, hf_config_to_model_config, to_hf  # noqa: E402
+
+TOL = 1e-5
+
+
+def make_hf():
+    cfg = transformers.Gemma2Config(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-6,
+        head_dim=24, sliding_window=8, query_pre_attn_scalar=20,
+        attn_logit_softcapping=0.5, final_logit_softcapping=1.5)
+    torch.manual_seed(0)
+    return perturb(transformers.Gemma2ForCausalLM(cfg).eval(), scale=0.3)
+
+
+def _tokens(B=2, T=32):
+    return torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(2))
+
+
+def test_parity_round_trip_cache_and_packing(tmp_path):
+    hf = make_hf()
+    hf.save_pretrained(tmp_path / "src")
+    model = from_hf(tmp_path / "src").eval()
+    cfg = model.cfg
+    assert (cfg.family, cfg.attn_softcap, cfg.final_softcap) == ("gemma2", 0.5, 1.5)
+    assert [cfg.window_of(i) for i in range(4)] == [8, None, 8, None]
+    assert not cfg.qk_norm and cfg.rope_local_theta is None
+    tokens = _tokens()
+    ref = _logits(hf, tokens)
+    assert ref.abs().max() > 1.0  # the final cap (1.5) binds
+    assert (_logits(model, tokens) - ref).abs().max().item() <= TOL
+    # without the caps the logits differ: the test would see a dropped cap
+    cores = [layer.attention.core for layer in model.layers.values()]
+    for core in cores:
+        core.softcap = None
+    assert (_logits(model, tokens) - ref).abs().max().item() > 1e-3
+    for core in cores:
+        core.softcap = 0.5
+
+    to_hf(model, cfg, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back) is type(hf)
+    assert back.config.attn_logit_softcapping == 0.5
+    assert back.config.final_logit_softcapping == 1.5
+    back_sd = back.state_dict()
+    for name, t in hf.state_dict().items():
+        # 1 + w and back in fp32 loses the low bits of w (up to ~1e-7 at |w| ~ 1)
+        torch.testing.assert_close(back_sd[name], t, rtol=0, atol=3e-7, msg=name)
+
+    # generation: 20 tokens, then 12 one at a time through the KV cache
+    cache = KVCache()
+    with torch.no_grad():
+        steps = [model(tokens[:, :20], cache=cache)]
+        steps += [model(tokens[:, t:t + 1], cache=cache) for t in range(20, 32)]
+    assert (torch.cat(steps, dim=1) - ref).abs().max().item() <= TOL
+
+    # packed rows: two documents in a row == each run alone
+    ids = torch.tensor([[0] * 20 + [1] * 12] * 2)
+    positions = torch.cat([torch.arange(20), torch.arange(12)])
+    with torch.no_grad():
+        packed = model(tokens, positions=positions, document_ids=ids)
+        first, second = model(tokens[:, :20]), model(tokens[:, 20:])
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=0, atol=TOL)
+
+
+def test_capped_head_takes_plain_loss():
+    hf_cfg = make_hf().config.to_dict()
+    from giantmodel.models import build_model
+
+    model = build_model(hf_config_to_model_config(hf_cfg))
+    impl, why = resolve_loss_impl("chunked", model.output, "cpu")
+    assert impl == "plain" and "final_softcap" in why
+    uncapped = build_model(hf_config_to_model_config({**hf_cfg, "final_logit_softcapping": None}))
+    assert resolve_loss_impl("chunked", uncapped.output, "cpu") == ("chunked", "")
