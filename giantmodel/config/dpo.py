@@ -31,7 +31,7 @@ class DPOConfig:
     use_lora: bool = False
     """Train LoRA adapters (the lora section) on a frozen base; the reference is then that base with the adapters switched off, with no second copy. false: full fine-tuning against a frozen copy of the initial weights."""
     precompute_ref: bool = False
-    """Cache each pair's reference log-probs the first time the pair is seen (one reference forward per pair over the whole run) and reuse them on later epochs."""
+    """Score every training and validation pair with the reference model in one pass before the first step (each data-parallel rank its share), keep the log-probs in run.dir/ref_logps.pt (a resumed run reuses them) and train with no reference forward."""
     max_length: int | None = None
     """Longest prompt + answer in tokens (TRL's max_length); longer sequences are cut by truncation_mode. null: train.seq_len + 1, the most one row holds."""
     max_prompt_length: int | None = None

@@ -24,8 +24,10 @@ The reference policy is:
 * with full fine-tuning, a frozen copy built, tensor-parallel sharded and
   loaded like the policy (not FSDP-sharded: under ZeRO-3 each rank holds its
   tp share of it whole);
-* with ``dpo.precompute_ref``, either of them run once per pair, the first
-  time the pair is seen, and its log-probs cached by the pair's tokens.
+* with ``dpo.precompute_ref``, either of them run in one pass over every
+  training and validation pair before the first loss
+  (:mod:`giantmodel.objectives.dpo_ref`), its table saved in ``run.dir``
+  for a resumed run; training then runs no reference forward.
 
 SimPO and ORPO need no reference. Metrics, named as TRL names them
 (``rewards/chosen`` ...), are kept as sums over the step's pairs and reduced
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +65,10 @@ from giantmodel.data.samples import BlendedSamples
 from giantmodel.data.sft import check_sft, prepare_sft, sft_template, sft_tokenizer_path
 from giantmodel.models.lora import adapters_off
 from giantmodel.objectives.dpo_loss import metric_means, metric_sums, preference_loss
+from giantmodel.objectives.dpo_ref import RefTable, all_pair_rows, load_or_build
 from giantmodel.objectives.lm import LanguageModel
 from giantmodel.objectives.lora import LoRA
-from giantmodel.parallel.collectives import all_reduce_sum_, any_true
+from giantmodel.parallel.collectives import all_reduce_sum_
 from giantmodel.parallel.objective import BaseObjective, StageSpec
 from giantmodel.parallel.tensor import apply_tensor_parallel
 
@@ -75,14 +77,18 @@ class DPO(BaseObjective):
     name = "dpo"
     supports = frozenset({"tp", "pp"})
 
-    def __init__(self, inner: LanguageModel, dpo: DPOConfig):
+    def __init__(self, inner: LanguageModel, dpo: DPOConfig, run_dir: str | None = None):
         self.inner = inner
         self.cfg = dpo
         self.uses_lora = isinstance(inner, LoRA)
         self.needs_reference = dpo.loss_type not in REFERENCE_FREE
         # Full fine-tuning: each policy part's frozen twin, by id of the part.
         self._refs: dict[int, nn.Module] = {}
-        self._cache: dict[bytes, torch.Tensor] = {}  # precompute_ref: pair row -> [2, D] logps
+        self.run_dir = run_dir  # where precompute_ref's table is kept
+        self._ref_rows: list[np.ndarray] = []  # precompute_ref: the pair rows to score
+        self._ref_layout = (0, 1)  # (dp rank, dp size) of this rank's loaders
+        self.ref_table: RefTable | None = None
+        self.ref_forwards = 0  # reference forwards run so far (the pass's included)
         self._sums: torch.Tensor | None = None  # metric_sums over this step's pairs
 
     @classmethod
@@ -107,7 +113,7 @@ class DPO(BaseObjective):
         check_sft(dataclasses.replace(cfg.data, paths=[], valid_paths=[]))
         preference_records(cfg.data, tiny_preferences)  # every record parses
         inner = inner_cls.from_config(cfg)
-        return cls(inner, cfg.dpo)
+        return cls(inner, cfg.dpo, cfg.run.dir)
 
     # ------------------------------------------------------------ the model
     def build(self, stage: StageSpec) -> nn.Module:
@@ -189,8 +195,10 @@ class DPO(BaseObjective):
         labels, docs = batch["labels"].to(device), batch["document_ids"].to(device)
         policy, counts, valid = sequence_logps(module(ids, **kwargs), labels, docs)
         reference = None
-        if self.needs_reference:
-            reference = self._reference(module, batch, ids, kwargs, labels, docs)
+        if self.needs_reference and self.cfg.precompute_ref:
+            reference = self.precompute_reference(module).lookup(batch, device)
+        elif self.needs_reference:
+            reference = self._reference(module, ids, kwargs, labels, docs)
         return self._pair_loss(policy, counts, valid, reference)
 
     def _pair_loss(self, policy, counts, valid, reference):
@@ -204,40 +212,35 @@ class DPO(BaseObjective):
         return losses.sum(), torch.tensor(float(keep.numel()), device=policy.device)
 
     @torch.no_grad()
-    def _reference(self, module, batch, ids, kwargs, labels, docs) -> torch.Tensor:
-        keys = self._cache_keys(batch) if self.cfg.precompute_ref else None
-        if keys is not None:
-            missing = any(k not in self._cache for k in keys)
-            # Every rank runs the reference forward when any must: it holds
-            # collectives under FSDP and tensor parallelism.
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                missing = any_true(missing, dist.group.WORLD, ids.device)
-            if not missing:
-                return torch.stack([self._cache[k] for k in keys]).transpose(0, 1).reshape(
-                    2, -1).to(ids.device)
+    def _reference(self, module, ids, kwargs, labels, docs) -> torch.Tensor:
+        self.ref_forwards += 1
         if self.uses_lora:
             with adapters_off(module):
                 logits = module(ids, **kwargs)
         else:
             logits = self._refs[id(module)](ids, **kwargs)
-        ref, _, _ = sequence_logps(logits, labels, docs)
-        if keys is not None:
-            per_row = ref.reshape(2, len(keys), -1).transpose(0, 1)  # [pair rows, 2, D]
-            for k, v in zip(keys, per_row, strict=True):
-                self._cache.setdefault(k, v.detach().cpu())
-        return ref
+        return sequence_logps(logits, labels, docs)[0]
 
-    @staticmethod
-    def _cache_keys(batch: dict) -> list[bytes]:
-        """One key per pair row: a digest of its two rows' tokens and labels."""
-        ids, labels = batch["input_ids"], batch["labels"]
-        keys = []
-        for j in range(ids.shape[0] // 2):
-            h = hashlib.blake2b(digest_size=16)
-            h.update(ids[2 * j:2 * j + 2].cpu().numpy().tobytes())
-            h.update(labels[2 * j:2 * j + 2].cpu().numpy().tobytes())
-            keys.append(h.digest())
-        return keys
+    def precompute_reference(self, module: nn.Module) -> RefTable:
+        """``dpo.precompute_ref``'s table, built (or loaded from ``run.dir``)
+        on the first call: after the weights are loaded, before the first
+        loss. Collective on first call: every rank calls it together."""
+        if self.ref_table is not None:
+            return self.ref_table
+        if not self._ref_rows:
+            raise RuntimeError("dpo.precompute_ref: build_loaders must run before the first loss")
+        device = _device_of(module)
+
+        def score(batch: dict) -> torch.Tensor:
+            ids, kwargs = self._model_inputs(batch, device)
+            return self._reference(module, ids, kwargs, batch["labels"].to(device),
+                                   batch["document_ids"].to(device))
+
+        dp_rank, dp_size = self._ref_layout
+        self.ref_table, _ = load_or_build(score, all_pair_rows(self._ref_rows),
+                                          self.inner.train_cfg.micro_batch_size, dp_rank,
+                                          dp_size, device, self.run_dir)
+        return self.ref_table
 
     def step_metrics(self) -> dict[str, float]:
         """This step's ``rewards/*`` and ``logps/*`` means over the global
@@ -278,6 +281,7 @@ class DPO(BaseObjective):
         train = build_preference_rows(train_recs, tokenizer, template, t.seq_len, d.pack, trunc,
                                       "train")
         samples = PairSamples(BlendedSamples([train], None, seed=t.seed, shuffle=True))
+        self._ref_rows, self._ref_layout = [train.rows], (dp_rank, dp_size)
         tl = TrainLoader(samples, global_batch_size=t.global_batch_size,
                          micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
                          dp_size=dp_size, seed=t.seed)
@@ -286,6 +290,7 @@ class DPO(BaseObjective):
             rows = build_preference_rows(valid_recs, tokenizer, template, t.seq_len, d.pack,
                                          trunc, "valid")
             valid = PairSamples(BlendedSamples([rows], None, seed=t.seed, shuffle=False))
+            self._ref_rows.append(rows.rows)
         vl = PairValLoader(valid, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
                            dp_size=dp_size, num_batches=d.val_batches)
         return tl, vl
