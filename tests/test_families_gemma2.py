@@ -89,3 +89,18 @@ def test_capped_head_takes_plain_loss():
     assert impl == "plain" and "final_softcap" in why
     uncapped = build_model(hf_config_to_model_config({**hf_cfg, "final_logit_softcapping": None}))
     assert resolve_loss_impl("chunked", uncapped.output, "cpu") == ("chunked", "")
+
+
+def test_soft_capping_bad_values_and_cp_fail_before_launch():
+    from giantmodel.config import ConfigError, load_config
+    from giantmodel.distributed.parallel_dims import ParallelDims
+
+    base = ["model.family=gemma2", "model.hidden_size=64", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.ffn_hidden_size=96", "model.vocab_size=4096",
+            "model.num_layers=2", "model.max_seq_len=64", "train.seq_len=32",
+            "train.global_batch_size=4", "train.micro_batch_size=2"]
+    with pytest.raises(ConfigError, match="model.attn_softcap"):
+        load_config(None, [*base, "model.attn_softcap=0"])
+    cfg = load_config(None, [*base, "model.attn_softcap=50.0", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match="parallel.cp"):
+        ParallelDims.from_config(cfg, 2)

@@ -183,6 +183,10 @@ class ModelConfig:
                 f"sliding_window {self.sliding_window} must be between 1 and model.max_seq_len "
                 f"{self.max_seq_len}; use null for full causal attention", "model.sliding_window")
         self._validate_layer_pattern()
+        for key in ("attn_softcap", "final_softcap"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ConfigError(f"must be positive or null, got {getattr(self, key)}",
+                                  f"model.{key}")
         # GPT has learned positions: RoPE settings would be ignored; its
         # block has biases everywhere and no window or qk-norm.
         llama_only = ("rope_theta", "rope_scaling", "qkv_bias", "qk_norm", "sliding_window",

@@ -77,6 +77,11 @@ def validate_layout(*, degrees: dict[str, int], rank_layout, model: ModelConfig,
         validate_placement(parallel.placement, degrees["world_size"])
     if tp > 1:
         _check_tensor_parallel(tp, model, train, parallel)
+    if cp > 1 and getattr(model, "attn_softcap", None) is not None:
+        # context-parallel attention replaces the attention core and has no
+        # score modifier: the cap would be lost silently
+        raise ConfigError(f"parallel.cp={cp} with attention soft-capping (model.attn_softcap) is "
+                          "not supported yet; use parallel.cp=1", "parallel.cp")
     if cp > 1 and train.seq_len % (2 * cp):
         raise ConfigError(
             f"train.seq_len={train.seq_len} must be divisible by 2*parallel.cp={2 * cp} "
