@@ -163,6 +163,10 @@ def _fields() -> list[tuple[str, object]]:
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{f.name}.")
+            elif value is None and str(f.type).startswith(("list[", "tuple[")):
+                # an optional list (``list[int] | None``): mutate it as a list,
+                # for which "[1, 2]" may be valid
+                out.append((f"{prefix}{f.name}", []))
             else:
                 out.append((f"{prefix}{f.name}", value))
     walk(JobConfig(), "")
