@@ -17,7 +17,6 @@ from giantmodel.models.families.base import NameMap
 from giantmodel.models.families.gemma3 import (
     GEMMA3_NAMES,
     Gemma3Family,
-    _int_if_whole,
     rope_scaling_from_hf,
 )
 
@@ -74,21 +73,10 @@ class Gemma2Family(Gemma3Family):
             final_softcap=_cap(hf.get("final_logit_softcapping")))
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        types = cfg.layer_types or ["full_attention"] * cfg.num_layers
-        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.dim_per_head ** -0.5
         return {
-            "architectures": [self.architectures[0]], "model_type": self.name,
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.dim_per_head, "hidden_activation": "gelu_pytorch_tanh",
-            "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
-            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-            "query_pre_attn_scalar": _int_if_whole(scale ** -2),
-            "sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types,
+            **self.shared_hf_config(cfg),
             "rope_theta": cfg.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": False, "attention_dropout": 0.0,
             "attn_logit_softcapping": cfg.attn_softcap,
             "final_logit_softcapping": cfg.final_softcap,
         }

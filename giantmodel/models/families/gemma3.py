@@ -176,11 +176,22 @@ class Gemma3Family(Family):
             post_norms=True, mlp_activation="gelu_tanh", embed_scale=True)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        types = cfg.layer_types or ["full_attention"] * cfg.num_layers
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
-        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.dim_per_head ** -0.5
         full = {**rope_scaling_to_hf(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
         scaling = None if cfg.rope_scaling is None else rope_scaling_to_hf(cfg.rope_scaling)
+        return {
+            **self.shared_hf_config(cfg),
+            "rope_theta": cfg.rope_theta, "rope_local_base_freq": local, "rope_scaling": scaling,
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        }
+
+    def shared_hf_config(self, cfg: ModelConfig) -> dict:
+        """The config.json keys Gemma 2 and Gemma 3 write alike (their RoPE and
+        soft-capping keys differ)."""
+        types = cfg.layer_types or ["full_attention"] * cfg.num_layers
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.dim_per_head ** -0.5
         return {
             "architectures": [self.architectures[0]], "model_type": self.name,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
@@ -191,11 +202,7 @@ class Gemma3Family(Family):
             "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
             "query_pre_attn_scalar": _int_if_whole(scale ** -2),
             "sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types,
-            "rope_theta": cfg.rope_theta, "rope_local_base_freq": local, "rope_scaling": scaling,
-            "rope_parameters": {"full_attention": full,
-                                "sliding_attention": {"rope_type": "default", "rope_theta": local}},
             "attention_bias": False, "attention_dropout": 0.0,
-            "final_logit_softcapping": None, "attn_logit_softcapping": None,
         }
 
     def check(self, cfg: ModelConfig) -> None:
