@@ -2,8 +2,10 @@
 model, pairs, batches and hyperparameters, on the CPU, side by side.
 
 * parity: the loss and TRL's metrics (``rewards/*``, ``logps/*``) step by
-  step, full fine-tuning in fp32 (TRL copies the model as the reference;
-  giantmodel builds a frozen copy), for ``sigmoid`` and ``ipo``;
+  step, full fine-tuning in fp32 on both sides (TRL's bf16 autocast and
+  gradient-checkpointing defaults switched off; TRL copies the model as
+  the reference, giantmodel builds a frozen copy), for ``sigmoid`` and
+  ``ipo``;
 * speed: tokens/s over the steps after the first (real tokens: padding not
   counted, the same number on both sides), and peak RSS (``VmHWM``) of each
   side's process, with LoRA (TRL: a PEFT model with ``ref_model=None``, the
@@ -157,7 +159,13 @@ def trl_side(spec: dict) -> dict:
             times.append(time.perf_counter() - self.t0)
 
     with tempfile.TemporaryDirectory() as out:
+        # TRL's configs default bf16 to True (unless fp16) and gradient
+        # checkpointing to True: accelerate would then run the forward under
+        # CPU bf16 autocast (log-probs ~5e-5 relative off fp32, rewards up to
+        # 4e-4 off) and recompute every block. Both off: fp32 end to end and
+        # the same work per step as giantmodel (no recompute).
         args = DPOConfig(
+            bf16=False, fp16=False, gradient_checkpointing=False,
             output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=spec["steps"],
             learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
             weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,

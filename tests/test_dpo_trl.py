@@ -4,8 +4,8 @@ virtual environment on first use, see benchmarks/dpo_trl.py).
 The tiny chat model, a fixed set of bundled pairs in file order, full
 fine-tuning in fp32 with the same AdamW, learning rate, clipping, beta and
 max_length on both sides; the loss and TRL's metrics of the first steps
-must agree, and the first step's rewards are exactly zero on both (the
-policy is the reference)."""
+must agree within 1e-4 absolute, and the first step's rewards are exactly
+zero on both (the policy is the reference)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
+# Every metric, rewards included. Rewards are beta x differences of nearly
+# equal summed log-probs, so they carry any forward noise undivided: TRL's
+# default bf16=True (CPU autocast under accelerate) alone puts them ~4e-4
+# off, which is why the benchmark's TRL side runs with bf16=False.
 TOL = 1e-4
-# Rewards are beta x differences of nearly equal summed log-probs, so they
-# carry the forward's noise undivided: TRL's model, called inside its
-# training loop, returns log-probs ~5e-5 (relative) away from the same
-# Hugging Face model called directly on the same ids (identical parameters
-# and buffers); giantmodel's equal the direct call's. 1e-3 absolute is what
-# that leaves for the rewards.
-REWARD_TOL = 1e-3
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +53,8 @@ def test_loss_and_metrics_match_trl(setup, loss_type):
     ours = bench.run_side("giantmodel", spec)["records"]
     theirs = bench.run_side("trl", spec, python)["records"]
     assert len(ours) == len(theirs) == STEPS
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+    for key in REWARDS:
         assert ours[0][key] == theirs[0][key] == 0.0, key
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for key in ("loss", "logps/chosen", "logps/rejected", "rewards/accuracies"):
-            assert a[key] == pytest.approx(b[key], rel=TOL, abs=TOL), (loss_type, step, key)
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-            assert a[key] == pytest.approx(b[key], abs=REWARD_TOL), (loss_type, step, key)
+        for key in ("loss", "logps/chosen", "logps/rejected", *REWARDS):
+            assert abs(a[key] - b[key]) <= TOL, (loss_type, step, key, a[key], b[key])
