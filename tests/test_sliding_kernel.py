@@ -1,7 +1,9 @@
 """The blocked CPU sliding-window kernel beyond tests/test_families_gemma_phi.py's
-fp64 check: fp32 against the dense band at a size with many blocks, and its
-memory: it saves what full attention saves, and its forward and backward
-hold about one block's temporaries beyond their outputs."""
+fp64 check: fp32 against the dense band at a size with many blocks, with
+packed rows (document masks) and GQA, and its memory: it saves what full
+attention saves (less than the dense band, which keeps a [T, T] mask), and
+its forward and backward hold about one block's temporaries beyond their
+outputs."""
 
 from __future__ import annotations
 
@@ -36,6 +38,62 @@ def test_fp32_matches_the_dense_band_with_many_blocks():
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad),
                     torch.autograd.grad(ref, (q, k, v), grad), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _packed(B):
+    """Document ids of ``B`` packed rows of 300 tokens: documents shorter
+    and longer than a block, boundaries inside and at block edges."""
+    lengths = [[50, 100, 150], [7, 200, 93]][:B]
+    return torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+
+
+def test_packed_rows_match_the_dense_document_mask_without_building_it():
+    """A windowed layer on packed rows takes the blocked kernel with the
+    document ids: values and gradients equal SDPA under the dense document
+    mask ANDed with the band (fp32, GQA, the window shorter and longer than
+    documents, rows from 1.1x to 9x the window), and the [B, 1, T, T] mask
+    is never built."""
+    B, T = 2, 300
+    docs = _packed(B)
+    dense = masks.dense_document_mask(docs)
+    for w, hkv in ((32, 2), (64, 4), (128, 1), (272, 2)):
+        q, k, v = _qkv(B, 4, hkv, T, 16, seed=w)
+        mask = masks.document_mask(docs.clone(), torch.float32)
+        assert masks.banded_cpu(T, w)
+        out = masks.masked_attention(q, k, v, mask, window=w)
+        assert mask._mask is None, w   # no T x T mask built
+        ref = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense & masks.window_band(T, T, w, "cpu"), enable_gqa=hkv != 4)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), grad),
+                        torch.autograd.grad(ref, (q, k, v), grad), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # a full-attention layer (Gemma's global ones) still reads the dense mask
+    q, k, v = _qkv(B, 4, 2, T, 16)
+    mask = masks.document_mask(docs.clone(), torch.float32)
+    masks.masked_attention(q, k, v, mask)
+    torch.testing.assert_close(mask.mask, dense)
+
+
+def test_saves_less_than_the_dense_band():
+    """The dense-band path (SDPA with the [T, T] boolean mask) keeps the
+    mask, made additive in the compute dtype, for backward; the blocked
+    kernel keeps no mask, unpacked or packed, even at 1.25x the window."""
+    B, T, w = 2, 300, 240
+    q, k, v = _qkv(B, 4, 2, T, 16)
+    band = masks.window_band(T, T, w, "cpu")
+    dense, _ = _saved_bytes(
+        lambda *a: F.scaled_dot_product_attention(*a, attn_mask=band, enable_gqa=True), q, k, v)
+    blocked, _ = _saved_bytes(masks.sliding_attention, q, k, v, w)
+    assert dense - blocked >= T * T * 4, (dense, blocked)
+    docs = _packed(B)
+    packed_dense, _ = _saved_bytes(masks.masked_attention, q, k, v,
+                                   masks.DenseMask(masks.dense_document_mask(docs)), 0.0, w)
+    packed, _ = _saved_bytes(masks.masked_attention, q, k, v,
+                             masks.DenseMask(document_ids=docs), 0.0, w)
+    assert packed == blocked + docs.numel() * 8   # the ids: int64 [B, T]
+    assert packed_dense - packed >= T * T * 4, (packed_dense, packed)
 
 
 def _saved_bytes(fn, *args) -> tuple[int, torch.Tensor]:
@@ -127,7 +185,7 @@ def test_backward_holds_one_block_beyond_its_gradients():
 def test_planner_counts_no_dense_band_where_the_blocked_kernel_runs():
     """Mistral's 128 window at 512 tokens takes the blocked kernel: the
     planner's activations (no [T, T] band or mask) match what the forward
-    keeps, as tests/test_planner_families.py checks the dense-band case."""
+    keeps, as tests/test_planner_families.py checks at 256 tokens."""
     from test_planner_families import _family, _layout, _measure_block
 
     from giantmodel.planner.hardware import get_profile
@@ -135,7 +193,7 @@ def test_planner_counts_no_dense_band_where_the_blocked_kernel_runs():
 
     B, T = 1, 512
     m = _family("mistral", vocab_size=1024, num_layers=2)
-    assert not dense_band(m, T) and dense_band(m, 256)
+    assert not dense_band(m, T) and not dense_band(m, 160) and not dense_band(m, 128)
     r = rank_memory(m, _layout(m, "fp32", B, T), 0, get_profile("cpu"))
     pred = (r.components["activations"] + r.components["embedding_head_activations"]
             + r.components["working_weights"] - B * T * 8)  # ids made outside
