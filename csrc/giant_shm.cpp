@@ -358,7 +358,7 @@ int check_op(int dtype, int op) {
 
 extern "C" {
 
-int gm_abi_version() { return 6; }
+int gm_abi_version() { return 7; }
 
 // 1 when gm_allreduce/gm_reduce_scatter handle this dtype and op here.
 int gm_supports(int dtype, int op) { return check_op(dtype, op) == kOk ? 1 : 0; }
@@ -579,6 +579,69 @@ int gm_alltoall(void* h, const void* in, void* out, int64_t bytes) {
     if (rc) return rc;
     for (int q = 0; q < W; ++q)
       if (q != c->rank) pcopy(c, dst + q * bytes + base, c->buf(q, g) + c->rank * region, m);
+  }
+  return kOk;
+}
+
+// Uneven all-to-all (all_to_all_single with split sizes: an MoE dispatch):
+// this rank sends send_bytes[q] bytes from in + send_off[q] to local rank q,
+// and receives recv_bytes[q] bytes from q into out + recv_off[q]. Rounds move
+// up to `region` bytes per pair through the double buffers, as the equal-split
+// path does. No rank knows how many rounds the largest pair needs, so round 0
+// also publishes each rank's send and receive sizes at the head of its buffer:
+// after its phase every rank reads the same W x W matrix, takes the round
+// count from its largest entry, and checks that every pair agrees (what q
+// sends to r is what r expects from q). A disagreement fails on every rank
+// alike with kBadArg, leaving the group usable, where a rank-local check
+// would leave the others waiting for it.
+int gm_alltoallv(void* h, const void* in, void* out, const int64_t* send_bytes,
+                 const int64_t* send_off, const int64_t* recv_bytes, const int64_t* recv_off) {
+  auto* c = static_cast<Comm*>(h);
+  const int W = c->world, me = c->rank;
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  const int64_t meta = (2 * W * 8 + 63) / 64 * 64;  // <= 2 KB of a >= 4 KB buffer
+  int64_t region = (c->slot - meta) / W;
+  if (region >= 64) region = region / 64 * 64;
+  auto piece = [region](int64_t total, int64_t k) {
+    return std::max<int64_t>(0, std::min(region, total - k * region));
+  };
+  int64_t rounds = 1;  // known once round 0's sizes are read
+  for (int64_t k = 0; k < rounds; ++k) {
+    const uint64_t g = c->chunk++;
+    char* mine = c->buf(me, g);
+    if (k == 0) {
+      std::memcpy(mine, send_bytes, W * 8);
+      std::memcpy(mine + W * 8, recv_bytes, W * 8);
+    }
+    for (int q = 0; q < W; ++q) {
+      const int64_t m = q == me ? 0 : piece(send_bytes[q], k);
+      if (m > 0) pcopy(c, mine + meta + q * region, src + send_off[q] + k * region, m);
+    }
+    int rc = phase(c);
+    if (rc) return rc;
+    if (k == 0) {
+      int64_t most = 0;
+      for (int q = 0; q < W; ++q) {
+        const auto* sent = reinterpret_cast<const int64_t*>(c->buf(q, g));
+        for (int r = 0; r < W; ++r) {
+          const int64_t want = reinterpret_cast<const int64_t*>(c->buf(r, g))[W + q];
+          if (sent[r] != want || sent[r] < 0) {
+            c->error = "all_to_all split sizes disagree: local rank " + std::to_string(q) +
+                       " sends " + std::to_string(sent[r]) + " bytes to local rank " +
+                       std::to_string(r) + ", which expects " + std::to_string(want);
+            return kBadArg;
+          }
+          if (r != q) most = std::max(most, sent[r]);
+        }
+      }
+      rounds = std::max<int64_t>(1, (most + region - 1) / region);
+      pcopy(c, dst + recv_off[me], src + send_off[me], send_bytes[me]);
+    }
+    for (int q = 0; q < W; ++q) {
+      const int64_t m = q == me ? 0 : piece(recv_bytes[q], k);
+      if (m > 0) pcopy(c, dst + recv_off[q] + k * region, c->buf(q, g) + meta + me * region, m);
+    }
   }
   return kOk;
 }

@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _PKG_DIR = Path(__file__).resolve().parent
 _CSRC = _PKG_DIR.parent.parent / "csrc"
 
@@ -55,6 +55,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "gm_allgather": (i32, [vp, vp, vp, i64]),
         "gm_broadcast": (i32, [vp, vp, i64, i32]),
         "gm_alltoall": (i32, [vp, vp, vp, i64]),
+        "gm_alltoallv": (i32, [vp, vp, vp, vp, vp, vp, vp]),
         "gm_sched_post": (i32, [vp, i64, i64]),
         "gm_sched_wait": (i64, [vp, i64]),
         "gm_stream": (dbl, [i64, i32, i32, i32]),

@@ -3,8 +3,10 @@
 ``GiantProcessGroup`` is what ``init_process_group("giant")`` and
 ``new_group(backend="giant")`` return. For CPU tensors on one host it runs the
 C++ shared-memory core; across hosts it runs the hierarchical all-reduce,
-reduce-scatter and all-gather (:mod:`giantmodel.comm.hierarchical`). Everything else -- other dtypes and
-ops, uneven splits, point-to-point, CUDA tensors -- goes to an inner gloo
+reduce-scatter, all-gather and all-to-all
+(:mod:`giantmodel.comm.hierarchical`). All-to-all takes even and uneven
+splits (an MoE dispatch) on both. Everything else -- other dtypes and ops,
+point-to-point, CUDA tensors -- goes to an inner gloo
 (CPU) or NCCL (CUDA) backend over the same store, so a result is either
 accelerated or exactly the stock one, never an approximation.
 
@@ -19,6 +21,7 @@ the CUDA backend by device.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -474,18 +477,21 @@ class GiantProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
-        even = not output_split_sizes and not input_split_sizes
-        ok = (even and self._fast([input, output], reduces=False) and input.dtype == output.dtype
-              and input.numel() == output.numel() and input.numel() % self._world == 0)
+        # Even and uneven splits take one path, so ranks that pass equal
+        # splits and ranks that pass none still run the same kernel.
+        ok = (self._fast([input, output], reduces=False, flat_only=self._hier is None)
+              and input.dtype == output.dtype and input.dim() > 0 and output.dim() > 0)
         if not ok:
             return self._delegated(self._inner([input]).alltoall_base(
                 output, input, output_split_sizes, input_split_sizes, opts))
+        send = _split_bytes(input, input_split_sizes, self._world, "input")
+        recv = _split_bytes(output, output_split_sizes, self._world, "output")
 
         def job():
             inp = input.contiguous()
-            out = output if output.is_contiguous() else torch.empty_like(output)
-            if inp.numel():
-                self._shm.all_to_all(inp, out)
+            out = output if output.is_contiguous() else torch.empty(
+                output.shape, dtype=output.dtype)
+            self._all_to_all_bytes(inp, out, send, recv)
             if out is not output:
                 output.copy_(out)
             return [output]
@@ -494,8 +500,35 @@ class GiantProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        return self._delegated(self._inner(input_tensors).alltoall(
-            output_tensors, input_tensors, opts))
+        tensors = [*input_tensors, *output_tensors]
+        ok = (len(input_tensors) == len(output_tensors) == self._world
+              and self._fast(tensors, reduces=False, flat_only=self._hier is None)
+              and len({t.dtype for t in tensors}) == 1)
+        if not ok:
+            return self._delegated(self._inner(input_tensors).alltoall(
+                output_tensors, input_tensors, opts))
+        size = input_tensors[0].element_size()
+        send = [t.numel() * size for t in input_tensors]
+        recv = [t.numel() * size for t in output_tensors]
+
+        def job():
+            inp = torch.cat([t.reshape(-1) for t in input_tensors])
+            out = torch.empty(sum(t.numel() for t in output_tensors), dtype=inp.dtype)
+            self._all_to_all_bytes(inp, out, send, recv)
+            for o, got in zip(output_tensors, out.split([t.numel() for t in output_tensors])):
+                o.copy_(got.view(o.shape))
+            return list(output_tensors)
+        return self._launch("all_to_all", list(input_tensors), job, opts)
+
+    def _all_to_all_bytes(self, inp: torch.Tensor, out: torch.Tensor, send: list[int],
+                          recv: list[int]) -> None:
+        """``send``/``recv``: bytes per group rank, blocks back to back in
+        rank order in the contiguous ``inp``/``out``."""
+        if self.topology.num_nodes > 1:
+            self._hier.all_to_all(inp.view(-1).view(torch.uint8),
+                                  out.view(-1).view(torch.uint8), send, recv)
+        else:
+            self._shm.all_to_all_v(inp, out, send, recv)
 
     def barrier(self, opts=None):
         if self._shm is None or self.topology.num_nodes > 1:
@@ -590,6 +623,24 @@ def _all_agree(store, rank: int, size: int, name: str, mine: bool) -> bool:
     shared-memory segment: then the whole group delegates to gloo."""
     store.set(f"{name}/{rank}", "1" if mine else "0")
     return all(store.get(f"{name}/{r}") == b"1" for r in range(size))
+
+
+def _split_bytes(t: torch.Tensor, splits, world: int, side: str) -> list[int]:
+    """Bytes of ``t`` for each rank of an all-to-all: ``splits[r]`` rows (dim
+    0) for rank r, or equal shares without splits. Checked on the calling
+    rank as gloo checks them, before any peer is waited for."""
+    rows = t.size(0)
+    row_bytes = t.element_size() * math.prod(t.shape[1:])
+    if not splits:
+        if rows % world:
+            raise ValueError(f"all_to_all: the {side} tensor's {rows} rows (dim 0) do not "
+                             f"divide equally over {world} ranks; pass split sizes")
+        return [rows // world * row_bytes] * world
+    splits = [int(n) for n in splits]
+    if len(splits) != world or min(splits) < 0 or sum(splits) != rows:
+        raise ValueError(f"all_to_all: {side} split sizes {splits} must be {world} numbers "
+                         f">= 0 summing to the tensor's {rows} rows (dim 0)")
+    return [n * row_bytes for n in splits]
 
 
 def _ar_opts(op) -> dist.AllreduceOptions:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from torch.futures import Future
 
-from giantmodel.comm.shm import CommError, ShmGroup
+from giantmodel.comm.shm import CommArgError, CommError, ShmGroup
 
 Job = Callable[[], object]
 
@@ -88,7 +88,7 @@ class CollectiveEngine:
                 self._raise_if_failed()
                 return job()
         except BaseException as exc:
-            self._failure = self._failure or exc
+            self._note_failure(exc)
             raise
         finally:
             with self._lock:
@@ -112,6 +112,13 @@ class CollectiveEngine:
             self._ensure_thread()
             self._cv.notify_all()
         return fut
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """Later collectives fail too: ranks may now disagree on what ran.
+        Not after a :class:`CommArgError`, which every rank raised alike
+        before any data moved."""
+        if not isinstance(exc, CommArgError):
+            self._failure = self._failure or exc
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -155,7 +162,7 @@ class CollectiveEngine:
                     result = job()
                 fut.set_result(result)
             except BaseException as exc:  # noqa: BLE001 - surfaces in Work.wait()
-                self._failure = self._failure or exc
+                self._note_failure(exc)
                 fut.set_exception(exc)
             finally:
                 with self._lock:

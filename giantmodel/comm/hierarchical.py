@@ -20,16 +20,25 @@ the node, then an all-to-all among the local ranks i of every node, each node
 summing what it receives; all-gather is the mirror image. Per rank the
 network carries (N-1)/N * S/L, where a flat ring over all ranks carries
 (NL-1)/(NL) * S: with 2 ranks per node, half as much or less.
+
+All-to-all, with even or uneven splits (an MoE dispatch), goes the other way
+round: a shared-memory all-to-all inside the node first hands local rank j
+every block its node holds for the ranks of local index j on any node, then
+local rank j exchanges with local rank j of every other node, one message per
+node pair and L such exchanges at once. Every block crosses the network at
+most once, as in a flat all-to-all, but each rank talks to N-1 peers over TCP
+instead of NL-1, and blocks between ranks of one node never touch a socket.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from giantmodel.comm.shm import OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup
+from giantmodel.comm.shm import OP_AVG, OP_MAX, OP_MIN, OP_SUM, ShmGroup, offsets
 from giantmodel.comm.topology import Topology
 
 _GLOO_OPS = {OP_SUM: dist.ReduceOp.SUM, OP_MAX: dist.ReduceOp.MAX, OP_MIN: dist.ReduceOp.MIN}
@@ -207,3 +216,96 @@ class HierarchicalAllReduce:
             opts.rootTensor = 0
             self.cross.broadcast([flat], opts).wait()
         self.shm.broadcast(flat, local)
+
+    def all_to_all(self, inp: torch.Tensor, out: torch.Tensor, send: list[int],
+                   recv: list[int]) -> None:
+        """Uneven all-to-all of bytes: ``inp`` (uint8, contiguous) holds
+        ``send[r]`` bytes for each group rank r back to back, ``out`` gets
+        ``recv[r]`` bytes from each. See :func:`plan_all_to_all`."""
+        # Local rank j forwards what its node peers send to local index j on
+        # every node; those sizes are theirs, so the node learns them first.
+        mine = torch.tensor(send, dtype=torch.int64)
+        table = torch.empty(self.local_size * len(send), dtype=torch.int64)
+        self.shm.all_gather(mine, table)
+        plan = plan_all_to_all(self.nodes, self.rank, table.view(self.local_size, -1).tolist(),
+                               recv)
+        stage = self._buffer(torch.uint8, sum(plan.send_local), 0)
+        _gather(inp, plan.local_blocks, stage)
+        mid = self._buffer(torch.uint8, sum(plan.recv_local), 1)
+        self.shm.all_to_all_v(stage, mid, plan.send_local, plan.recv_local)
+        stage = self._buffer(torch.uint8, sum(plan.send_cross), 0)
+        _gather(mid, plan.cross_blocks, stage)
+        # With each node holding consecutive ranks the network leg brings the
+        # blocks in rank order, straight into ``out``.
+        direct = [b for b in plan.placed if b[1]] == [b for b in zip(offsets(recv), recv) if b[1]]
+        land = out if direct else self._buffer(torch.uint8, sum(plan.recv_cross), 2)
+        self.cross.alltoall_base(land, stage, plan.recv_cross, plan.send_cross,
+                                 dist.AllToAllOptions()).wait()
+        if not direct:
+            at = 0
+            for start, n in plan.placed:
+                out[start:start + n].copy_(land[at:at + n])
+                at += n
+
+
+@dataclass(frozen=True)
+class AllToAllPlan:
+    """One rank's two legs of a hierarchical all-to-all. Blocks are
+    ``(offset, bytes)``; a leg sends its blocks concatenated in list order."""
+
+    local_blocks: list[tuple[int, int]]
+    """Blocks of the input for the shared-memory leg: local rank 0's first."""
+    send_local: list[int]
+    """Bytes to each local rank in the shared-memory leg."""
+    recv_local: list[int]
+    """Bytes from each local rank in the shared-memory leg."""
+    cross_blocks: list[tuple[int, int]]
+    """Blocks of the shared-memory leg's result for the network leg: node 0's first."""
+    send_cross: list[int]
+    """Bytes to each node in the network leg."""
+    recv_cross: list[int]
+    """Bytes from each node in the network leg."""
+    placed: list[tuple[int, int]]
+    """Where each block the network leg brings goes in the output, in arrival order."""
+
+
+def plan_all_to_all(nodes: tuple[tuple[int, ...], ...], rank: int, sent: list[list[int]],
+                    recv: list[int]) -> AllToAllPlan:
+    """The legs for group rank ``rank`` (local index j on node m).
+
+    ``sent[i][d]`` is what local rank i of node m sends to group rank d;
+    ``recv[s]`` what ``rank`` receives from group rank s. Leg 1 (shared
+    memory): local rank i sends local rank j, for each node n in order, its
+    block for (n, j). Leg 2 (network, among the local ranks j of all nodes):
+    to node n go the blocks for (n, j) that every local rank i handed over, i
+    in order; so from node n come the blocks of (n, 0), (n, 1), ... for here.
+    """
+    num = len(nodes)
+    node = next(n for n, members in enumerate(nodes) if rank in members)
+    j, size = nodes[node].index(rank), len(nodes[node])
+    mine = sent[j]
+    start = offsets(mine)
+    local_blocks = [(start[nodes[n][p]], mine[nodes[n][p]]) for p in range(size)
+                    for n in range(num)]
+    send_local = [sum(mine[nodes[n][p]] for n in range(num)) for p in range(size)]
+    recv_local = [sum(sent[i][nodes[n][j]] for n in range(num)) for i in range(size)]
+    held: dict[tuple[int, int], tuple[int, int]] = {}  # (local i, node n) -> block
+    at = 0
+    for i in range(size):
+        for n in range(num):
+            held[i, n] = (at, sent[i][nodes[n][j]])
+            at += held[i, n][1]
+    cross_blocks = [held[i, n] for n in range(num) for i in range(size)]
+    send_cross = [sum(held[i, n][1] for i in range(size)) for n in range(num)]
+    recv_cross = [sum(recv[nodes[n][i]] for i in range(size)) for n in range(num)]
+    where = offsets(recv)
+    placed = [(where[nodes[n][i]], recv[nodes[n][i]]) for n in range(num) for i in range(size)]
+    return AllToAllPlan(local_blocks, send_local, recv_local, cross_blocks, send_cross,
+                        recv_cross, placed)
+
+
+def _gather(src: torch.Tensor, blocks: list[tuple[int, int]], dst: torch.Tensor) -> None:
+    """``dst`` = the blocks of ``src`` back to back (one copy)."""
+    parts = [src[o:o + n] for o, n in blocks if n]
+    if parts:
+        torch.cat(parts, out=dst)

@@ -37,6 +37,12 @@ class CommError(RuntimeError):
     """A shared-memory collective failed: timeout, dead peer, or abort."""
 
 
+class CommArgError(CommError):
+    """A collective refused its arguments on every rank alike before moving
+    any data (split sizes that disagree between ranks): the group stays
+    usable, unlike after a :class:`CommError`."""
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -71,6 +77,15 @@ def list_segments() -> list[str]:
         return sorted(n for n in os.listdir(_SHM_DIR) if _NAME_RE.match(n))
     except OSError:
         return []
+
+
+def offsets(sizes: list[int]) -> list[int]:
+    """Start of each block when blocks of ``sizes`` lie back to back."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 class ShmGroup:
@@ -169,6 +184,8 @@ class ShmGroup:
         if rc == _lib.UNSUPPORTED:
             raise NotImplementedError(f"{what}: dtype/op not handled by the shared-memory core")
         msg = self.lib.gm_error(self._handle).decode() if self._handle else "group closed"
+        if rc == _lib.BAD_ARG:
+            raise CommArgError(f"{what} refused on local rank {self.rank}: {msg}")
         raise CommError(f"{what} failed on local rank {self.rank}: {msg}")
 
     def _h(self) -> int:
@@ -209,6 +226,31 @@ class ShmGroup:
         nbytes = inp.numel() * inp.element_size() // self.world
         self._check(self.lib.gm_alltoall(self._h(), inp.data_ptr(), out.data_ptr(), nbytes),
                     "all_to_all")
+
+    def all_to_all_v(self, inp: torch.Tensor, out: torch.Tensor, send_bytes: list[int],
+                     recv_bytes: list[int]) -> None:
+        """Uneven splits, in bytes: ``inp`` holds, back to back in local-rank
+        order, ``send_bytes[q]`` bytes for each local rank q; ``out`` gets
+        ``recv_bytes[q]`` bytes from each q in the same order. Every pair must
+        agree (q's ``send_bytes[r]`` is r's ``recv_bytes[q]``); the core checks
+        that on every rank at once and raises on all of them if not."""
+        w = self.world
+        if len(send_bytes) != w or len(recv_bytes) != w:
+            raise ValueError(f"all_to_all needs {w} split sizes per side, got "
+                             f"{len(send_bytes)} and {len(recv_bytes)}")
+        # the core trusts these with raw pointers
+        if min(send_bytes) < 0 or min(recv_bytes) < 0:
+            raise ValueError(f"all_to_all split sizes must be >= 0, got {send_bytes} and "
+                             f"{recv_bytes} bytes")
+        if (sum(send_bytes) > inp.numel() * inp.element_size()
+                or sum(recv_bytes) > out.numel() * out.element_size()):
+            raise ValueError("all_to_all split sizes exceed the tensors they split")
+        arrays = (ctypes.c_int64 * (4 * w))(*send_bytes, *offsets(send_bytes),
+                                          *recv_bytes, *offsets(recv_bytes))
+        base, size = ctypes.addressof(arrays), ctypes.sizeof(ctypes.c_int64) * w
+        rc = self.lib.gm_alltoallv(self._h(), inp.data_ptr(), out.data_ptr(), base,
+                                   base + size, base + 2 * size, base + 3 * size)
+        self._check(rc, "all_to_all")
 
     def barrier(self) -> None:
         self._check(self.lib.gm_barrier(self._h()), "barrier")
