@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from giantmodel.config import ConfigError, load_config
+from giantmodel.config import load_config
 from giantmodel.config.moe import MoEConfig
 from giantmodel.core.precision import Precision
 from giantmodel.distributed.parallel_dims import ParallelDims
@@ -172,12 +172,27 @@ def test_capacity_drops_are_logged(tmp_path):
     assert all(r["moe_dropped_tokens"] > 0 for r in _records(tmp_path) if "loss" in r)
 
 
-def test_layouts_moe_does_not_support_yet_fail_before_launch(tmp_path):
-    for extra, key in ((["parallel.pp=2"], "model.moe.aux_loss_coeff"),):
-        cfg = cfg_for(tmp_path, *extra)
-        with pytest.raises(ConfigError) as e:
-            build_objective(cfg)
-        assert e.value.key == key
+def _train_pp(rank, world, run_dir, *extra):
+    run_training(cfg_for(run_dir, *extra))
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_stages_add_aux_losses_and_log_every_layer(tmp_path):
+    """pp2 with the auxiliary losses on: the dense first layer alone on
+    stage 0 (rank 0, which logs), the MoE layer on stage 1. The losses and
+    every MoE metric in metrics.jsonl equal one process's: the aux losses
+    back-propagate within stage 1 and its metrics reach rank 0."""
+    extra = ("train.steps=3", "checkpoint.save_final=false", "model.moe.first_k_dense=1")
+    run_training(cfg_for(tmp_path / "one", *extra))
+    run_ranks(_train_pp, 2, tmp_path / "pp", *extra, "parallel.pp=2")
+    one = [r for r in _records(tmp_path / "one") if "loss" in r]
+    two = [r for r in _records(tmp_path / "pp") if "loss" in r]
+    keys = ["loss", "grad_norm", "moe_load_max_mean", "moe_dropped_tokens", "moe_aux_loss",
+            "moe_seq_aux_loss", "moe_z_loss"]
+    assert len(one) == len(two) == 3
+    for a, b in zip(two, one):
+        assert set(keys) <= set(a), a
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-5)
 
 
 def _dp_rank(rank, world, run_dir, zero=0):

@@ -34,7 +34,7 @@ from giantmodel.data.chat import chat_reply
 from giantmodel.data.sft import prepare_sft, sft_template
 from giantmodel.metrics.flops import flops_per_token
 from giantmodel.models import build_model, init_weights
-from giantmodel.models.common.moe import MoE, moe_layers
+from giantmodel.models.common.moe import MoE, moe_layers, set_aux_loss_units
 from giantmodel.models.generate import generate_text
 from giantmodel.models.registry import init_parameter
 from giantmodel.parallel.context import apply_context_parallel, balanced_positions, shard_sequence
@@ -46,6 +46,8 @@ from giantmodel.parallel.tensor import (
 )
 
 _EMBEDDING, _HEAD = "tok_embeddings.weight", "output.weight"
+# Pipeline stages' keyword input: each sequence's loss units, [B] (MoE auxiliary losses).
+_AUX_UNITS = "moe_aux_units"
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,6 @@ class LanguageModel(BaseObjective):
         if cfg.parallel.pp > 1 and cfg.train.loss_impl not in ("auto", "plain"):
             log.warning("train.loss_impl=%s: pipeline stages compute the plain loss on the "
                         "last stage's logits", cfg.train.loss_impl)
-        check_moe_layout(cfg)
         return cls(cfg.model, data=cfg.data, train=cfg.train)
 
     # ------------------------------------------------------------ the model
@@ -93,6 +94,8 @@ class LanguageModel(BaseObjective):
         model = build_model(self.model_cfg, device="meta")
         if not stage.whole:
             model.keep_stage(stage.layers, stage.first, stage.last)
+            if self.model_cfg.moe is not None:
+                model.register_forward_pre_hook(_take_aux_units, with_kwargs=True)
         return model
 
     def blocks(self, module: nn.Module) -> list[str]:
@@ -180,6 +183,11 @@ class LanguageModel(BaseObjective):
             # learned positions) and packed rows their document ids; [B, t]
             # so they split with the batch into pipeline micro-batches.
             kwargs["positions"] = kwargs["positions"].expand(ids.shape[0], -1)
+        if self.model_cfg.moe is not None:
+            # Each stage weights its MoE auxiliary losses by its micro-batch's
+            # loss units, as loss() does with the whole count; [B] so the
+            # schedule splits it with the micro-batches.
+            kwargs[_AUX_UNITS] = (labels != IGNORE_INDEX).sum(dim=1)
         return (ids,), kwargs, labels
 
     def stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -224,21 +232,6 @@ class LanguageModel(BaseObjective):
                              max_new_tokens=t.sample_tokens, seed=t.seed)
 
 
-def check_moe_layout(cfg: JobConfig) -> None:
-    """What MoE layers do not support yet, refused before any process group."""
-    moe = cfg.model.moe
-    if moe is None:
-        return
-    # tp: the plan runs each MoE block whole on every tp rank (experts are not
-    # split by tp; tests/test_expert_parallel.py holds tp2 and tp2 + sp equal
-    # to one process)
-    if cfg.parallel.pp > 1 and moe.aux_coeffs:
-        key = next(iter(moe.aux_coeffs))
-        raise ConfigError(
-            "MoE auxiliary losses are not added on pipeline stages yet; set parallel.pp=1, or "
-            "balance with model.moe.bias_update_rate alone", f"model.moe.{key}_coeff")
-
-
 def with_aux_losses(loss_sum: torch.Tensor, count: torch.Tensor,
                     layers: list[MoE]) -> torch.Tensor:
     """``loss_sum`` with the MoE layers' auxiliary losses of this forward
@@ -255,6 +248,15 @@ def with_aux_losses(loss_sum: torch.Tensor, count: torch.Tensor,
         return loss_sum
     weighted = torch.stack(terms).sum() * count
     return loss_sum + (weighted - weighted.detach())
+
+
+def _take_aux_units(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A pipeline stage's forward pre-hook: its MoE layers back-propagate
+    their auxiliary losses themselves, weighted by this micro-batch's loss
+    units (see ``AuxLossScaler``); the model never sees the keyword."""
+    units = kwargs.pop(_AUX_UNITS, None)
+    set_aux_loss_units(module, None if units is None else units.sum())
+    return args, kwargs
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from giantmodel.core import compat
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor
-from giantmodel.models.common.moe import moe_layers
+from giantmodel.models.common.moe import moe_layers, set_aux_loss_factor
 from giantmodel.models.registry import canonical_name
 from giantmodel.parallel.collectives import all_reduce_sum_, sum_scalar
 from giantmodel.parallel.objective import Objective, StageSpec
@@ -153,6 +153,10 @@ class PipelineRunner:
             part.train()
         self._precision = precision
         self._units = self.global_units(microbatches)
+        for part in self.parts:
+            # MoE auxiliary losses back-propagate within each stage, with the
+            # gradient the loss gives one unit (MoE's AuxLossScaler).
+            set_aux_loss_factor(part, precision.scale / self._units)
         sched = self._get_schedule()
         args, kwargs = self._step_inputs(microbatches)
         losses: list[torch.Tensor] = []

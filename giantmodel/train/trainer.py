@@ -139,7 +139,8 @@ class Trainer:
         self.engine = build_engine(cfg, self.objective, self.dims, self.device, self.bucket_mb,
                                    self.accel)
         self.optimizer = self.engine.build_optimizer(cfg.optim)
-        self.moe_stats = MoEStepStats(self.engine.parts, self.dims.group_or_none("dp_cp"))
+        self.moe_stats = MoEStepStats(self.engine.parts, self.dims.group_or_none("dp_cp"),
+                                      self.dims.group_or_none("pp"))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.precision = self.accel.precision(cfg.precision, self.device.type)
         self.state = TrainerState(self.precision)

@@ -14,7 +14,11 @@ only, group-limited top-k, ``routed_scaling_factor``, shared experts).
 What training reads besides the output, per MoE layer:
 
 * the auxiliary losses of the last forward (``take_aux_loss``), already
-  weighted by their coefficients, for the objective to add to the loss;
+  weighted by their coefficients, for the objective to add to the loss; on
+  a pipeline stage, where the loss exists only on the last stage, each
+  forward instead attaches its auxiliary loss to the layer's output
+  (:class:`AuxLossScaler`, set up by :func:`set_aux_loss_units`), so it
+  back-propagates with that stage's own backward;
 * ``stats``: expert loads, dropped assignments and the raw auxiliary losses,
   summed over the forwards of one optimizer step, for metrics and for the
   auxiliary-loss-free bias update (:func:`update_expert_bias`) after it.
@@ -211,6 +215,9 @@ class MoE(nn.Module):
         # STAT_* entries. Not checkpointed: a step never spans a save.
         self.register_buffer("stats", torch.zeros(e + NUM_EXTRA_STATS), persistent=False)
         self._aux: torch.Tensor | None = None
+        # Pipeline stages (see set_aux_loss_units / set_aux_loss_factor).
+        self._aux_units: torch.Tensor | None = None
+        self._aux_factor = 1.0
         self._bias_set = False
         if self.router.expert_bias is not None:
             self.register_load_state_dict_pre_hook(_note_loaded_bias)
@@ -245,7 +252,9 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_experts_gate(flat)) * shared
             out = out + shared
         if self.training:
-            self._record(route, keep, b, t)
+            aux = self._record(route, keep, b, t)
+            if aux is not None and self._aux_units is not None:
+                out = AuxLossScaler.apply(out, aux, self._aux_units * self._aux_factor)
         return out.view(b, t, hidden)
 
     def _routed(self, flat: torch.Tensor, route: Routing, keep: torch.Tensor | None) -> torch.Tensor:
@@ -271,21 +280,23 @@ class MoE(nn.Module):
         return torch.bmm(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(flat.dtype)
 
     @torch.compiler.disable
-    def _record(self, route: Routing, keep: torch.Tensor | None, b: int, t: int) -> None:
-        """Store the weighted auxiliary loss and add this forward's statistics."""
+    def _record(self, route: Routing, keep: torch.Tensor | None, b: int,
+                t: int) -> torch.Tensor | None:
+        """Add this forward's statistics and return its weighted auxiliary
+        loss (None when none is on), also kept for :meth:`take_aux_loss`
+        outside a pipeline stage."""
         c, e = self.cfg, self.cfg.num_experts
         loads = torch.zeros(e, device=route.experts.device).scatter_add_(
             0, route.experts.reshape(-1), torch.ones(route.experts.numel(), device=route.experts.device))
         # Computed on a recompute too: checkpointing checks that the re-run
         # saves the same tensors for backward as the forward did.
         raw = balance_losses(route, loads, b, t, c)
+        terms = [coeff * raw[name] for name, coeff in c.aux_coeffs.items()]
+        aux = torch.stack(terms).sum() if terms else None
         if torch._C._current_graph_task_id() != -1:
-            return  # inside backward: a recompute of a forward already counted
-        aux = [c.aux_loss_coeff * raw["aux_loss"] if "aux_loss" in raw else None,
-               c.seq_aux_loss_coeff * raw["seq_aux_loss"] if "seq_aux_loss" in raw else None,
-               c.z_loss_coeff * raw["z_loss"] if "z_loss" in raw else None]
-        terms = [a for a in aux if a is not None]
-        self._aux = torch.stack(terms).sum() if terms else None
+            return aux  # inside backward: a recompute of a forward already counted
+        if self._aux_units is None:
+            self._aux = aux
         with torch.no_grad():
             extra = torch.zeros(NUM_EXTRA_STATS, device=loads.device)
             if keep is not None:
@@ -296,12 +307,51 @@ class MoE(nn.Module):
                     extra[slot] = raw[key].detach()
             extra[STAT_FORWARDS] = 1
             self.stats.add_(torch.cat([loads, extra]))
+        return aux
 
     def take_aux_loss(self) -> torch.Tensor | None:
         """The coefficient-weighted auxiliary losses of the last training
         forward (a scalar with grad), once; None when none are on."""
         aux, self._aux = self._aux, None
         return aux
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """``output`` unchanged in forward; in backward, ``aux`` (a scalar) gets
+    the gradient ``scale`` beside ``output``'s own (Megatron-Core's
+    MoEAuxLossAutoScaler). A pipeline stage's auxiliary losses so reach
+    its router through its own backward, with no extra value sent between
+    stages. ``scale`` is the gradient the engine gives one unit of the loss
+    sum (loss scale / the global batch's loss units) times this
+    micro-batch's loss units: what ``with_aux_losses`` gives on one process.
+    Nothing is saved for backward, so activation recompute sees the same
+    saved tensors in its re-run."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor):
+        ctx.scale = scale.detach()
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output, ctx.scale.to(torch.float32), None
+
+
+def set_aux_loss_units(module: nn.Module, units: torch.Tensor | None) -> None:
+    """Before each forward of a pipeline stage: the loss units (label
+    tokens) of the micro-batch it runs, as a 0-dim tensor. While set, the
+    MoE layers of ``module`` back-propagate their auxiliary losses
+    themselves (:class:`AuxLossScaler`) instead of keeping them for
+    :meth:`MoE.take_aux_loss`; None restores that."""
+    for layer in moe_layers(module):
+        layer._aux_units = units
+
+
+def set_aux_loss_factor(module: nn.Module, factor: float) -> None:
+    """Once per step, by the pipeline runner: the gradient each loss unit
+    gets (the loss scale over the global batch's loss units)."""
+    for layer in moe_layers(module):
+        layer._aux_factor = factor
 
 
 def _note_loaded_bias(module: MoE, state_dict, prefix, *args) -> None:
