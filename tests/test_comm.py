@@ -117,6 +117,10 @@ def _check_scatter_gather(rank, world, group, ranks,
         out_splits = [r + 1 + me for r in range(w)]
         out = torch.empty(sum(out_splits))
         dist.all_to_all_single(out, inp, out_splits, splits, group=group)
+        want = torch.cat([torch.arange(sum(r + 1 + i for i in range(w)), dtype=torch.float32)
+                          [sum(r + 1 + i for i in range(me)):][:r + 1 + me] + 100 * r
+                          for r in range(w)])
+        assert torch.equal(out, want), "uneven all_to_all"
         nc = torch.arange(20.0).view(4, 5).t()  # non-contiguous
         dist.all_reduce(nc, group=group)
         assert torch.equal(nc, torch.arange(20.0).view(4, 5).t() * w)
@@ -435,3 +439,10 @@ def test_bench_arguments_parse():
     args = p.parse_args(["--sizes", "4K,64M", "--json"])
     assert [bench.parse_size(s) for s in args.sizes.split(",")] == [4096, 64 << 20]
     assert bench.memory_bound_busbw("all_reduce", 2, 20.0) == pytest.approx(5.0)
+    args = p.parse_args(["--op", "all_to_all", "--splits", "even,random", "--repeat", "3"])
+    assert (args.ops, args.splits, args.repeat) == ("all_to_all", "even,random", 3)
+    # the uneven blocks: every rank sends n in all, 0.25-1.75 equal shares each,
+    # and every rank draws the same matrix
+    m = bench.random_splits(1000, 4)
+    assert m == bench.random_splits(1000, 4) and all(sum(row) == 1000 for row in m)
+    assert all(60 <= x <= 440 for row in m for x in row) and len({sum(c) for c in zip(*m)}) > 1
