@@ -117,3 +117,13 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """``out`` (``size`` times ``x``'s rows) gets every rank's ``x``, in rank order."""
+    return _all_gather(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """``out`` gets the sum over ranks of this rank's share of ``x``'s rows."""
+    return _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -32,6 +32,7 @@ from giantmodel.config.train import OffloadConfig, OptimConfig
 from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor, unique_params
+from giantmodel.models.common.fused import weights_changed
 from giantmodel.parallel.accel import Accelerations
 from giantmodel.parallel.collectives import any_true, max_scalar
 from giantmodel.parallel.expert import ExpertDataParallel
@@ -167,6 +168,7 @@ class TrainEngine:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         self.strategy.after_step()
+        weights_changed()   # the next forward casts the new weights
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         self.strategy.zero_grad(optimizer)

@@ -37,10 +37,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from giantmodel.core.loss import IGNORE_INDEX, cross_entropy_sum
+from giantmodel.models.common.layers import Attention, SwiGLU
 from giantmodel.models.common.moe import MoE
+from giantmodel.parallel.sp_linear import install_projector
 
 
-def _block_plan(sp: bool, rope: bool) -> dict:
+def _block_plan(sp: bool, rope: bool, projected: tuple[str, ...] = ()) -> dict:
+    """``projected``: the sub-blocks ("attention", "feed_forward") whose
+    column-parallel linears run through a sequence-parallel projector
+    (giantmodel.parallel.sp_linear): they take the residual stream as it is,
+    so they get no input preparation."""
     # Under sp the residual stream stays a DTensor (global shape), so the
     # model still sees the full sequence length when it indexes RoPE.
     residual = Shard(1) if sp else Replicate()
@@ -56,14 +62,15 @@ def _block_plan(sp: bool, rope: bool) -> dict:
     # sequence under sp), so the gradients of wq/wk/wv (and w1/w3) meet as
     # one Partial sum and backward does one collective per sub-block rather
     # than one per column-parallel linear.
-    plan.update({
+    prepare = {
         # attention(x[, rope]): rope stays a plain tensor.
         "attention": PrepareModuleInput(
             input_layouts=(residual, None) if rope else (residual,),
             desired_input_layouts=(Replicate(), None) if rope else (Replicate(),)),
         "feed_forward": PrepareModuleInput(input_layouts=(residual,),
                                            desired_input_layouts=(Replicate(),)),
-    })
+    }
+    plan.update({k: v for k, v in prepare.items() if k not in projected})
     if sp:
         plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     return plan
@@ -89,6 +96,18 @@ class _GatheredModule(ParallelStyle):
         PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
                             use_local_output=False)._apply(module, device_mesh)
         return module
+
+
+def _projected(block: nn.Module) -> tuple[str, ...]:
+    """The sub-blocks whose fused projections take the sequence-parallel
+    projector: llama-style attention and gated MLPs (GPT's MLP and MoE
+    layers keep their plans)."""
+    out = []
+    if type(getattr(block, "attention", None)) is Attention:
+        out.append("attention")
+    if type(getattr(block, "feed_forward", None)) is SwiGLU:
+        out.append("feed_forward")
+    return tuple(out)
 
 
 def _qk_norm_plan(block: nn.Module) -> dict:
@@ -151,7 +170,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan = _block_plan(sp, rope=getattr(model, "uses_rope", True))
+        projected = _projected(block)
+        plan = _block_plan(sp, rope=getattr(model, "uses_rope", True), projected=projected)
         if isinstance(block.feed_forward, MoE):
             plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
             plan.update(_moe_plan(sp))
@@ -163,6 +183,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
             plan = {path: style_for(block.get_submodule(path), style)
                     for path, style in plan.items()}
         parallelize_module(block, tp_mesh, plan)
+        for name in projected:
+            install_projector(getattr(block, name), tp_mesh, sp)
     if hasattr(model, "tie_weights"):
         # parallelize_module swapped the embedding Parameter for a DTensor; the
         # head shares it (both are sharded over vocabulary rows).

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from giantmodel.config.model import ModelConfig, RopeScaling
+from giantmodel.models.common.fused import gated, local_project, project, rms_norm
 from giantmodel.models.common.masks import (
     masked_attention,
     sliding_attention,
@@ -30,10 +31,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability under bf16/fp16 autocast.
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).type_as(x)
+        # Normalised in fp32 for stability under bf16/fp16; backward keeps
+        # x as it came and one fp32 rstd per row (see fused.rms_norm).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
@@ -268,14 +268,18 @@ class Attention(nn.Module):
         """``cache`` (generation only): this layer's :class:`KVCache` entry;
         ``x`` then holds only the new tokens and ``rope`` their positions."""
         B, T, _ = x.shape
-        # -1 heads: under tensor parallelism the projections are column shards.
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        # -1 heads: under tensor parallelism the projections are column
+        # shards. One GEMM and one saved input for the three (fused.project).
+        q, k, v = (t.view(B, T, -1, self.head_dim)
+                   for t in project(self, x, (self.wq, self.wk, self.wv)))
         if hasattr(self, "q_norm"):  # per head: [B, T, H, D] normalised over D
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+            if not hasattr(self, "q_norm"):
+                # q and k are tensors of their own now; v, a view, would keep
+                # the whole fused q|k|v output alive for backward.
+                v = v.contiguous()
         if self.q_mult is not None:
             q = q * self.q_mult
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -286,7 +290,7 @@ class Attention(nn.Module):
             # The mask goes only where there is one, so a replaced core
             # (context parallelism) keeps its three-argument signature.
             out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
-        out = self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = local_project(out.transpose(1, 2).reshape(B, T, -1), self.wo, (self.wo,))[0]
         return self.out_norm(out) if hasattr(self, "out_norm") else out
 
 
@@ -327,7 +331,8 @@ class SwiGLU(nn.Module):
             self.out_norm = RMSNorm(hidden, out_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.w2(self.act(self.w1(x)) * self.w3(x))
+        gate, up = project(self, x, (self.w1, self.w3))
+        out = local_project(gated(self.act, gate, up), self.w2, (self.w2,))[0]
         return self.out_norm(out) if hasattr(self, "out_norm") else out
 
 
