@@ -187,3 +187,51 @@ def test_hierarchical_plan_delivers_every_block(nodes):
         out = _simulate(nodes, sizes, data)
         for r in range(w):
             assert out[r] == b"".join(bytes([16 * s + r]) * sizes[s][r] for s in range(w))
+
+
+def _cluster_rank() -> None:
+    """One rank on an emulated host (``popen_ranks`` sets RANK, MASTER_*):
+    the giant group finds two nodes by host name and runs all-to-all
+    hierarchically, against gloo on the default group."""
+    import os
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    register_backend()
+    giant = dist.new_group(backend="giant")
+    expect = tuple(tuple(int(r) for r in node.split(","))
+                   for node in os.environ["A2A_NODES"].split(";"))
+    assert giant.topology.nodes == expect and giant._hier is not None, giant.topology
+    _check_group(rank, giant, None, list(range(world)), seed=11)
+    giant.shutdown()
+    dist.destroy_process_group()
+    print(f"a2a ok on rank {rank}", flush=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_to_all_on_two_emulated_hosts(tmp_path):
+    """Two network-namespace hosts, two ranks each, consecutive and cyclic
+    (Slurm's) placement: the hierarchical all-to-all equals gloo's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from giantmodel.testing.cluster import EmulatedCluster, Link, unavailable_reason
+
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    repo = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-c", "import test_comm_alltoall as t; t._cluster_rank()"]
+    with EmulatedCluster(2, link=Link(rate_mbit=1000)) as c:
+        for port, hosts in ((29531, [[0, 1], [2, 3]]), (29532, [[0, 2], [1, 3]])):
+            nodes = ";".join(",".join(map(str, h)) for h in hosts)
+            env = {"PYTHONPATH": f"{repo}:{repo / 'tests'}", "OMP_NUM_THREADS": "1",
+                   "GIANTMODEL_CACHE": str(tmp_path / "cache"), "A2A_NODES": nodes}
+            log = tmp_path / f"{port}.log"
+            with open(log, "w") as out:
+                procs = c.popen_ranks(hosts, argv, port=port, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT)
+                codes = c.wait_all(procs, timeout=240)
+            text = log.read_text()
+            assert codes == [0] * 4 and text.count("a2a ok") == 4, text[-4000:]
