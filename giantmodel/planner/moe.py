@@ -24,15 +24,24 @@ giantmodel.parallel.expert run it:
   routed row out and back (2 in forward, 2 in backward) over the links the ep
   group spans.
 
-Stage memory counts every block of a pipeline stage as an MoE block: where
-dense blocks are mixed in (DeepSeek-V3's first three), the first stage is
-overestimated by their difference, never under.
+* gradient sync: the routed experts' gradients are reduced over the ranks
+  that hold the same experts (``edp``: dp x cp / ep ranks, ep x tp apart,
+  as ``ParallelDims``' expert mesh lays them out), the other parameters'
+  over dp x cp (:func:`grad_sync_groups`).
+
+Pipeline stages hold the blocks the model has in their layer range, dense
+or MoE (:func:`stage_block_counts`, :func:`stage_block_params`, equal to the
+stage the trainer builds). ``memory.stage_param_list`` still lists every
+block of a stage as an MoE block until it takes ``stage_block_params``:
+where dense blocks are mixed in (DeepSeek-V3's first three), the stage that
+holds them is overestimated by their difference, never under.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 
 from giantmodel.planner.terms import DTYPE_BYTES, routed_rows_per_token
 
@@ -76,6 +85,51 @@ def inactive_params(m) -> int:
     if m.moe is None:
         return 0
     return layer_counts(m)[1] * (m.moe.num_experts - m.moe.top_k) * expert_numel(m)
+
+
+def stage_block_counts(m, stage_layers: Sequence[int], stage: int) -> tuple[int, int]:
+    """(dense, MoE) blocks of pipeline stage ``stage``, the stages holding
+    ``stage_layers[s]`` consecutive blocks each, in order."""
+    start = sum(stage_layers[:stage])
+    blocks = range(start, start + stage_layers[stage])
+    if m.moe is None:
+        return len(blocks), 0
+    sparse = sum(1 for i in blocks if m.moe.is_sparse(i))
+    return len(blocks) - sparse, sparse
+
+
+def stage_block_params(table, m, stage_layers: Sequence[int], stage: int) -> list:
+    """The block parameters (``table``'s ``Param`` rows) of one pipeline
+    stage: the MoE block's (``table.layer``) per MoE block and the dense
+    block's (``table.dense_layer``) per dense block."""
+    dense, sparse = stage_block_counts(m, stage_layers, stage)
+    if m.moe is None:
+        return [p for _ in range(dense) for p in table.layer]
+    return ([p for _ in range(sparse) for p in table.layer]
+            + [p for _ in range(dense) for p in table.dense_layer])
+
+
+def local_expert_params(m, layout) -> float:
+    """Routed-expert parameters on one rank, averaged over the pipeline
+    ranks: E / ep experts of each of the rank's MoE blocks."""
+    if m.moe is None:
+        return 0.0
+    return layer_counts(m)[1] / layout.pp * (m.moe.num_experts // layout.ep) * expert_numel(m)
+
+
+def grad_sync_groups(m, layout, trained: float, shard: int) -> list[tuple[float, int, int]]:
+    """(parameters, group size, rank stride) of each gradient reduction of
+    one rank: the routed experts over their own data-parallel group (the
+    ``shard`` / ep ranks, ep x tp apart, that hold the same experts), the
+    rest of the ``trained`` parameters over ``shard`` ranks tp apart.
+    ``shard``: the dp x cp (or FSDP's dp_shard x cp) degree; LoRA trains no
+    expert (adapters are on attention), so ``trained`` is then all in the
+    second group."""
+    experts = 0.0 if layout.lora_rank else min(trained, local_expert_params(m, layout))
+    groups = [(trained - experts, shard, layout.tp)]
+    if experts:
+        groups.append((experts, max(1, shard // layout.ep), layout.tp * layout.ep))
+    return groups
 
 
 # -------------------------------------------------------------------- time

@@ -81,6 +81,7 @@ from giantmodel.planner.moe import (
     attention_width,
     dispatch_combine_time,
     expert_gemm_time,
+    grad_sync_groups,
     mla_matmul_shapes,
     shared_matmul_shapes,
 )
@@ -621,7 +622,8 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     strategy = layout_strategy(table, layout, hw)
     if n > 1 and strategy == "own":
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective_time(hw, cluster, kind, trained * 4, n, stride)
+        groups = grad_sync_groups(m, layout, trained, n)   # experts over their own dp group
+        reduce = sum(collective_time(hw, cluster, kind, p * 4, size, st) for p, size, st in groups)
         tail = collective_time(hw, cluster, kind, bucket, n, stride)
         # the buckets go in order from the first one backward fills, which
         # is complete only once backward has produced its share of the
@@ -632,7 +634,8 @@ def dp_times(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
             beside_compute(hw, reduce, bwd_per_mb * (1.0 - first)) + tail
         exposed = per_window * (layout.n_micro if layout.zero == 2 else 1)
         if layout.zero >= 1:   # updated parameters gathered after the step
-            exposed += collective_time(hw, cluster, "all_gather", trained * 4, n, stride)
+            exposed += sum(collective_time(hw, cluster, "all_gather", p * 4, size, st)
+                           for p, size, st in groups)
         exposed += layout.n_micro * fresh_scratch_time(m, layout, hw)
     elif n > 1:
         exposed = _fsdp_exposed(m, layout, hw, cluster, bwd_per_mb, fwd_bwd_per_mb,
@@ -667,7 +670,8 @@ def _fsdp_exposed(m, layout: Layout, hw, cluster: Cluster, bwd_per_mb: float,
     kept, _ = zero3_kept_numel(m, layout)
     passes = 2 - min(1.0, kept / local) if layout.zero == 3 else 1
     gather = passes * collective_time(hw, cluster, "all_gather", local * c, n_dp, stride)
-    reduce = collective_time(hw, cluster, "reduce_scatter", trained * 4, n_dp, stride)
+    reduce = sum(collective_time(hw, cluster, "reduce_scatter", p * 4, size, st)
+                 for p, size, st in grad_sync_groups(m, layout, trained, n_dp))
     first = collective_time(hw, cluster, "all_gather", unit * c, n_dp, stride)
     last = collective_time(hw, cluster, "reduce_scatter", unit * 4, n_dp, stride)
     # FSDP2 copies each gather's shards in and the unsharded result out, and
