@@ -6,6 +6,7 @@
 //
 //   [header: magic, pids, abort flag, one 64-byte flag per rank, schedule ring]
 //   [rank 0: buffer 0 | buffer 1][rank 1: buffer 0 | buffer 1] ...
+//   [rank 0: sizes 0 | sizes 1][rank 1: sizes 0 | sizes 1] ...  (uneven all-to-all)
 //
 // Every collective is cut into chunks that fit in a rank's buffer. Chunks
 // alternate between the two buffers, so a rank fills buffer b for chunk g
@@ -210,6 +211,14 @@ struct Comm {
   std::string error;
 
   char* buf(int r, uint64_t g) const { return data + (static_cast<int64_t>(r) * 2 + (g & 1)) * slot; }
+  // Each rank's split sizes for an uneven all-to-all, double-buffered like
+  // buf(); kept apart from the data buffers so blocks that fill a buffer
+  // exactly (a 1 MB all-to-all of 2 ranks) still move in one round.
+  int64_t* sizes(int r, uint64_t g) const {
+    return reinterpret_cast<int64_t*>(data + static_cast<int64_t>(world) * 2 * slot +
+                                      (static_cast<int64_t>(r) * 2 + (g & 1)) * sizes_bytes(world));
+  }
+  static int64_t sizes_bytes(int w) { return (2 * w * 8 + 63) / 64 * 64; }
 };
 
 double now_s() {
@@ -358,7 +367,7 @@ int check_op(int dtype, int op) {
 
 extern "C" {
 
-int gm_abi_version() { return 7; }
+int gm_abi_version() { return 8; }
 
 // 1 when gm_allreduce/gm_reduce_scatter handle this dtype and op here.
 int gm_supports(int dtype, int op) { return check_op(dtype, op) == kOk ? 1 : 0; }
@@ -379,7 +388,8 @@ void* gm_open(const char* name, int rank, int world, int64_t slot_bytes, int cre
     return bail("local group size must be in [1, 128]");
   if (slot_bytes < 4096 || slot_bytes % 4096 != 0)
     return bail("chunk bytes must be a positive multiple of 4096");
-  const size_t total = header_bytes() + static_cast<size_t>(world) * 2 * slot_bytes;
+  const size_t total = header_bytes() + static_cast<size_t>(world) * 2 * slot_bytes +
+                       static_cast<size_t>(world) * 2 * Comm::sizes_bytes(world);
   int fd = create ? shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name, O_RDWR, 0600);
   if (fd < 0) return bail(std::string("shm_open(") + name + "): " + std::strerror(errno));
   if (create && ftruncate(fd, static_cast<off_t>(total)) != 0) {
@@ -588,20 +598,19 @@ int gm_alltoall(void* h, const void* in, void* out, int64_t bytes) {
 // and receives recv_bytes[q] bytes from q into out + recv_off[q]. Rounds move
 // up to `region` bytes per pair through the double buffers, as the equal-split
 // path does. No rank knows how many rounds the largest pair needs, so round 0
-// also publishes each rank's send and receive sizes at the head of its buffer:
-// after its phase every rank reads the same W x W matrix, takes the round
-// count from its largest entry, and checks that every pair agrees (what q
-// sends to r is what r expects from q). A disagreement fails on every rank
-// alike with kBadArg, leaving the group usable, where a rank-local check
-// would leave the others waiting for it.
+// also publishes each rank's send and receive sizes (Comm::sizes): after its
+// phase every rank reads the same W x W matrix, takes the round count from
+// its largest entry, and checks that every pair agrees (what q sends to r is
+// what r expects from q). A disagreement fails on every rank alike with
+// kBadArg, leaving the group usable, where a rank-local check would leave
+// the others waiting for it.
 int gm_alltoallv(void* h, const void* in, void* out, const int64_t* send_bytes,
                  const int64_t* send_off, const int64_t* recv_bytes, const int64_t* recv_off) {
   auto* c = static_cast<Comm*>(h);
   const int W = c->world, me = c->rank;
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  const int64_t meta = (2 * W * 8 + 63) / 64 * 64;  // <= 2 KB of a >= 4 KB buffer
-  int64_t region = (c->slot - meta) / W;
+  int64_t region = c->slot / W;  // as gm_alltoall: W regions in one buffer
   if (region >= 64) region = region / 64 * 64;
   auto piece = [region](int64_t total, int64_t k) {
     return std::max<int64_t>(0, std::min(region, total - k * region));
@@ -611,21 +620,21 @@ int gm_alltoallv(void* h, const void* in, void* out, const int64_t* send_bytes,
     const uint64_t g = c->chunk++;
     char* mine = c->buf(me, g);
     if (k == 0) {
-      std::memcpy(mine, send_bytes, W * 8);
-      std::memcpy(mine + W * 8, recv_bytes, W * 8);
+      std::memcpy(c->sizes(me, g), send_bytes, W * 8);
+      std::memcpy(c->sizes(me, g) + W, recv_bytes, W * 8);
     }
     for (int q = 0; q < W; ++q) {
       const int64_t m = q == me ? 0 : piece(send_bytes[q], k);
-      if (m > 0) pcopy(c, mine + meta + q * region, src + send_off[q] + k * region, m);
+      if (m > 0) pcopy(c, mine + q * region, src + send_off[q] + k * region, m);
     }
     int rc = phase(c);
     if (rc) return rc;
     if (k == 0) {
       int64_t most = 0;
       for (int q = 0; q < W; ++q) {
-        const auto* sent = reinterpret_cast<const int64_t*>(c->buf(q, g));
+        const int64_t* sent = c->sizes(q, g);
         for (int r = 0; r < W; ++r) {
-          const int64_t want = reinterpret_cast<const int64_t*>(c->buf(r, g))[W + q];
+          const int64_t want = c->sizes(r, g)[W + q];
           if (sent[r] != want || sent[r] < 0) {
             c->error = "all_to_all split sizes disagree: local rank " + std::to_string(q) +
                        " sends " + std::to_string(sent[r]) + " bytes to local rank " +
@@ -640,7 +649,7 @@ int gm_alltoallv(void* h, const void* in, void* out, const int64_t* send_bytes,
     }
     for (int q = 0; q < W; ++q) {
       const int64_t m = q == me ? 0 : piece(recv_bytes[q], k);
-      if (m > 0) pcopy(c, dst + recv_off[q] + k * region, c->buf(q, g) + meta + me * region, m);
+      if (m > 0) pcopy(c, dst + recv_off[q] + k * region, c->buf(q, g) + me * region, m);
     }
   }
   return kOk;

@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 _PKG_DIR = Path(__file__).resolve().parent
 _CSRC = _PKG_DIR.parent.parent / "csrc"
 
