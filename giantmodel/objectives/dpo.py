@@ -22,12 +22,21 @@ The reference policy is:
 * with LoRA, the same model with its adapters switched off
   (:func:`giantmodel.models.lora.adapters_off`): no second copy;
 * with full fine-tuning, a frozen copy built, tensor-parallel sharded and
-  loaded like the policy (not FSDP-sharded: under ZeRO-3 each rank holds its
-  tp share of it whole);
+  initialised like the policy, then loaded from ``checkpoint.init_from``
+  by the objective itself (so a resumed run, whose policy comes from its
+  checkpoint, still gets the initial weights as its reference);
 * with ``dpo.precompute_ref``, either of them run in one pass over every
-  training and validation pair before the first loss
-  (:mod:`giantmodel.objectives.dpo_ref`), its table saved in ``run.dir``
+  training and validation pair at setup, as soon as both the loaders and
+  the reference's weights exist (:meth:`DPO.build_loaders` or
+  :meth:`DPO.load_pretrained`, whichever comes last;
+  :mod:`giantmodel.objectives.dpo_ref`), its table saved in ``run.dir``
   for a resumed run; training then runs no reference forward.
+
+Under pipeline parallelism the reference runs as a forward-only walk of
+the pipeline before each micro-batch's schedule step, and its log-probs
+reach the last stage's loss inside the micro-batch's target
+(:mod:`giantmodel.objectives.dpo_pipeline`); with ``dpo.precompute_ref``
+they come from the table instead.
 
 SimPO and ORPO need no reference. Metrics, named as TRL names them
 (``rewards/chosen`` ...), are kept as sums over the step's pairs and reduced
@@ -45,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from giantmodel.checkpoint import load_model_weights
@@ -52,6 +62,7 @@ from giantmodel.config.dpo import REFERENCE_FREE, DPOConfig
 from giantmodel.config.errors import ConfigError
 from giantmodel.config.schema import JobConfig
 from giantmodel.core.loss import IGNORE_INDEX
+from giantmodel.core.precision import Precision
 from giantmodel.data import build_tokenizer
 from giantmodel.data.loader import TrainLoader, ValLoader, check_batch_layout, rows_to_batch
 from giantmodel.data.preference import (
@@ -65,6 +76,7 @@ from giantmodel.data.samples import BlendedSamples
 from giantmodel.data.sft import check_sft, prepare_sft, sft_template, sft_tokenizer_path
 from giantmodel.models.lora import adapters_off
 from giantmodel.objectives.dpo_loss import metric_means, metric_sums, preference_loss
+from giantmodel.objectives.dpo_pipeline import StageWalk, pack_reference, unpack_reference
 from giantmodel.objectives.dpo_ref import RefTable, all_pair_rows, load_or_build
 from giantmodel.objectives.lm import LanguageModel
 from giantmodel.objectives.lora import LoRA
@@ -77,7 +89,8 @@ class DPO(BaseObjective):
     name = "dpo"
     supports = frozenset({"tp", "pp"})
 
-    def __init__(self, inner: LanguageModel, dpo: DPOConfig, run_dir: str | None = None):
+    def __init__(self, inner: LanguageModel, dpo: DPOConfig, run_dir: str | None = None, *,
+                 init_from: str | None = None, precision: str = "fp32"):
         self.inner = inner
         self.cfg = dpo
         self.uses_lora = isinstance(inner, LoRA)
@@ -90,6 +103,20 @@ class DPO(BaseObjective):
         self.ref_table: RefTable | None = None
         self.ref_forwards = 0  # reference forwards run so far (the pass's included)
         self._sums: torch.Tensor | None = None  # metric_sums over this step's pairs
+        # Pipelines: (rows, metric_sums) of each loss call this step, and the
+        # rows the step's micro-batches hold (see _step_sums).
+        self._stage_calls: list[tuple[int, torch.Tensor]] = []
+        self._step_rows = 0
+        self.init_from = init_from  # the reference's weights (None: the initial draw)
+        # The reference forward outside the engine's loss (the precompute pass,
+        # the pipeline walk) runs under the autocast the policy's loss runs in,
+        # so the first step's rewards are exactly zero.
+        self._precision = "bf16" if precision == "fp8" else precision
+        self._stages: dict[int, tuple[StageSpec, nn.Module]] = {}  # id(part) -> its stage
+        self._tp_mesh = None
+        self._walk: StageWalk | None = None  # pipeline parallelism: the reference's walk
+        self._ref_loaded = False  # full fine-tuning: the frozen copy holds init_from
+        self._base_loaded = False  # LoRA: load_pretrained filled the base
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> DPO:
@@ -100,10 +127,6 @@ class DPO(BaseObjective):
         if p.cp > 1:
             raise ConfigError("preference pairs are scored whole on each rank; set "
                               "parallel.cp=1", "parallel.cp")
-        if p.pp > 1 and cfg.dpo.loss_type not in REFERENCE_FREE:
-            raise ConfigError(f"loss {cfg.dpo.loss_type} needs a reference forward, which "
-                              "pipeline stages do not run yet; set parallel.pp=1, or use a "
-                              "reference-free loss (dpo.loss_type=simpo or orpo)", "parallel.pp")
         if cfg.train.micro_batch_size < 1:
             raise ConfigError("must be at least 1 pair row", "train.micro_batch_size")
         inner_cls = LoRA if cfg.dpo.use_lora else LanguageModel
@@ -113,11 +136,17 @@ class DPO(BaseObjective):
         check_sft(dataclasses.replace(cfg.data, paths=[], valid_paths=[]))
         preference_records(cfg.data, tiny_preferences)  # every record parses
         inner = inner_cls.from_config(cfg)
-        return cls(inner, cfg.dpo, cfg.run.dir)
+        return cls(inner, cfg.dpo, cfg.run.dir, init_from=cfg.checkpoint.init_from,
+                   precision=cfg.precision)
 
     # ------------------------------------------------------------ the model
     def build(self, stage: StageSpec) -> nn.Module:
         module = self.inner.build(stage)
+        if any(spec.index == stage.index for spec, _ in self._stages.values()):
+            # A second engine from this objective (a rebuild): forget the first's parts.
+            self._stages.clear()
+            self._refs.clear()
+        self._stages[id(module)] = (stage, module)
         if self.needs_reference and not self.uses_lora:
             ref = self.inner.build(stage)
             ref.requires_grad_(False)
@@ -132,6 +161,7 @@ class DPO(BaseObjective):
 
     def apply_tensor_parallel(self, module: nn.Module, tp_mesh, *, sp: bool) -> None:
         self.inner.apply_tensor_parallel(module, tp_mesh, sp=sp)
+        self._tp_mesh = tp_mesh
         ref = self._refs.get(id(module))
         if ref is not None:
             apply_tensor_parallel(ref, tp_mesh, sp)
@@ -149,11 +179,31 @@ class DPO(BaseObjective):
         return self.inner.tied_parameters()
 
     def load_pretrained(self, parts: list[nn.Module], path: str | Path) -> Path:
+        """The policy from ``path`` (LoRA: the base); the frozen copy from
+        ``checkpoint.init_from`` if not yet. Collective, on every rank."""
         out = self.inner.load_pretrained(parts, path)
-        refs = [self._refs[id(p)] for p in parts if id(p) in self._refs]
-        if refs:
-            load_model_weights(refs, path)
+        self._base_loaded = True
+        self._load_reference(self.init_from or path)
+        self._precompute_when_ready()
         return out
+
+    def _load_reference(self, path: str | Path | None) -> None:
+        """Full fine-tuning: every frozen copy from ``path`` (the run's
+        ``checkpoint.init_from``), once: a resumed run restores its policy
+        from its checkpoint and never loads ``init_from`` for it, so
+        build_loaders loads the copy. Collective, on every rank."""
+        if self._ref_loaded or not self._refs or not path:
+            return
+        self._ref_loaded = True
+        load_model_weights(list(self._refs.values()), path)
+
+    def _reference_ready(self) -> bool:
+        """Whether the reference holds its final weights: the frozen copy
+        once loaded, the LoRA base once ``load_pretrained`` ran; without
+        ``init_from``, the initial draw."""
+        if self.uses_lora:
+            return self._base_loaded or not self.init_from
+        return self._ref_loaded or not self.init_from
 
     def checkpoint_filter(self):
         return self.inner.checkpoint_filter()
@@ -196,58 +246,119 @@ class DPO(BaseObjective):
         policy, counts, valid = sequence_logps(module(ids, **kwargs), labels, docs)
         reference = None
         if self.needs_reference and self.cfg.precompute_ref:
-            reference = self.precompute_reference(module).lookup(batch, device)
+            reference = self._table().lookup(batch, device)
         elif self.needs_reference:
             reference = self._reference(module, ids, kwargs, labels, docs)
         return self._pair_loss(policy, counts, valid, reference)
 
-    def _pair_loss(self, policy, counts, valid, reference):
+    def _pair_loss(self, policy, counts, valid, reference, rows: int | None = None):
+        """``rows``: the micro-batch's row count under a pipeline schedule."""
         keep = valid.nonzero().squeeze(1)
         policy, counts = policy[:, keep], counts[:, keep]
         reference = None if reference is None else reference[:, keep]
         losses, rc, rr, lc, lr = preference_loss(self.cfg, policy, counts, reference)
         if torch.is_grad_enabled() and not policy.is_meta:  # training, not eval
             sums = metric_sums(rc, rr, lc, lr)
-            self._sums = sums if self._sums is None else self._sums + sums
+            if rows is not None:
+                self._stage_calls.append((rows, sums))
+            else:
+                self._sums = sums if self._sums is None else self._sums + sums
         return losses.sum(), torch.tensor(float(keep.numel()), device=policy.device)
 
     @torch.no_grad()
     def _reference(self, module, ids, kwargs, labels, docs) -> torch.Tensor:
         self.ref_forwards += 1
+        return sequence_logps(self._reference_forward(module, ids, kwargs), labels, docs)[0]
+
+    def _reference_forward(self, module: nn.Module, h: torch.Tensor, kwargs: dict):
+        """The reference's output for one model part (the whole model, or a
+        stage) on ``h`` (ids, or the previous stage's activation)."""
         if self.uses_lora:
             with adapters_off(module):
-                logits = module(ids, **kwargs)
-        else:
-            logits = self._refs[id(module)](ids, **kwargs)
-        return sequence_logps(logits, labels, docs)[0]
+                return module(h, **kwargs)
+        return self._refs[id(module)](h, **kwargs)
 
-    def precompute_reference(self, module: nn.Module) -> RefTable:
-        """``dpo.precompute_ref``'s table, built (or loaded from ``run.dir``)
-        on the first call: after the weights are loaded, before the first
-        loss. Collective on first call: every rank calls it together."""
-        if self.ref_table is not None:
-            return self.ref_table
-        if not self._ref_rows:
-            raise RuntimeError("dpo.precompute_ref: build_loaders must run before the first loss")
-        device = _device_of(module)
+    def _table(self) -> RefTable:
+        if self.ref_table is None:
+            raise RuntimeError("dpo.precompute_ref: the reference table is built at setup, once "
+                               "build_loaders has run and the weights are loaded "
+                               "(load_pretrained, when checkpoint.init_from is set)")
+        return self.ref_table
 
-        def score(batch: dict) -> torch.Tensor:
-            ids, kwargs = self._model_inputs(batch, device)
-            return self._reference(module, ids, kwargs, batch["labels"].to(device),
-                                   batch["document_ids"].to(device))
+    def _precompute_when_ready(self) -> None:
+        """``dpo.precompute_ref``'s pass, at setup: as soon as the pair rows
+        are known and the reference holds its final weights (build_loaders
+        and load_pretrained may come in either order; both call this on
+        every rank, so the collective pass starts everywhere at once)."""
+        if (not self.cfg.precompute_ref or not self.needs_reference
+                or self.ref_table is not None or not self._ref_rows
+                or not self._reference_ready()):
+            return
+        device = self._device()
+
+        def score(batch: dict) -> torch.Tensor | None:
+            with self._reference_context(device):
+                return self._reference_sums(batch, device)
 
         dp_rank, dp_size = self._ref_layout
         self.ref_table, _ = load_or_build(score, all_pair_rows(self._ref_rows),
                                           self.inner.train_cfg.micro_batch_size, dp_rank,
                                           dp_size, device, self.run_dir)
-        return self.ref_table
+        # FSDP2 keeps a root unit gathered after a forward, expecting a
+        # backward to reshard it: left so, module.parameters() would give an
+        # optimizer built after this pass the gathered copies, not the shards.
+        for _, module in self._stages.values():
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
+    def _reference_context(self, device: torch.device) -> contextlib.ExitStack:
+        """What the engine's loss runs under: the loss context (the vocab-
+        parallel log-softmax) and the run's autocast."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.loss_context())
+        stack.enter_context(Precision(self._precision, device.type).autocast())
+        return stack
+
+    @torch.no_grad()
+    def _reference_sums(self, batch: dict, device: torch.device) -> torch.Tensor | None:
+        """Reference sums ``[2, pair rows * D]`` of a batch of pair rows: one
+        forward of the whole model, or a walk of the pipeline (None on a rank
+        without the last stage)."""
+        ids, kwargs = self._model_inputs(batch, device)
+        labels, docs = batch["labels"].to(device), batch["document_ids"].to(device)
+        if self._walk is None:
+            return self._reference(next(iter(self._stages.values()))[1], ids, kwargs, labels,
+                                   docs)
+        self.ref_forwards += 1
+        out = self._walk.forward(ids, kwargs, self._reference_forward, device)
+        return None if out is None else sequence_logps(out, labels, docs)[0]
+
+    def _step_sums(self) -> torch.Tensor:
+        """The metric sums of the schedule's real loss calls this step.
+        torch's schedules may call the loss once more before a first step's
+        micro-batches (metadata inference; torch 2.13 does, on an empty
+        activation and micro-batch 0's target): the real calls are the last
+        ones, which together hold the step's rows."""
+        calls, self._stage_calls = self._stage_calls, []
+        total, rows = None, 0
+        for n, sums in reversed(calls):
+            if rows >= self._step_rows:
+                break
+            rows += n
+            total = sums if total is None else total + sums
+        return total
+
+    def _device(self) -> torch.device:
+        return _device_of(next(iter(self._stages.values()))[1])
 
     def step_metrics(self) -> dict[str, float]:
         """This step's ``rewards/*`` and ``logps/*`` means over the global
         batch's pairs; resets. Collective: every rank calls it after every
         step (tp copies count each pair equally often, so means are exact)."""
+        self._sums = self._step_sums() if self._stage_calls else self._sums
         sums = self._sums if self._sums is not None else torch.zeros(7, dtype=torch.float64)
-        self._sums = None
+        self._sums, self._step_rows = None, 0
         if dist.is_initialized() and dist.get_world_size() > 1:
             # A rank that scored no pair (a pipeline stage before the last)
             # holds host zeros; NCCL-backed groups reduce device tensors only.
@@ -259,15 +370,51 @@ class DPO(BaseObjective):
 
     # ------------------------------------------------------------ pipelines
     def stage_inputs(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """Called on every pipeline rank for each micro-batch, before the
+        schedule runs it: the reference (the table's, or the pipeline walk's,
+        a collective) joins the target, ``[rows, 3, T]`` int64: labels,
+        document ids and the reference sums' float64 bits
+        (:func:`pack_reference`), all cut by rows with the micro-batch, so
+        a pair row's two rows and its reference stay together."""
         device = batch["input_ids"].device
         ids, kwargs = self._model_inputs(batch, device)
-        # Labels and document ids split with the rows into micro-batches.
-        target = torch.stack([batch["labels"], batch["document_ids"]], dim=1)
-        return (ids,), kwargs, target.to(device)
+        if torch.is_grad_enabled():  # a training step's micro-batch, not evaluation's
+            self._step_rows += batch["labels"].shape[0]
+        channels = [batch["labels"], batch["document_ids"]]
+        if self.needs_reference:
+            rows, T = batch["labels"].shape
+            reference = self._pipeline_reference(batch)
+            channels.append(torch.zeros(rows, T, dtype=torch.int64) if reference is None
+                            else pack_reference(reference.cpu(), rows, T))
+        target = torch.stack([c.to(device) for c in channels], dim=1)
+        return (ids,), kwargs, target
+
+    def _pipeline_reference(self, batch: dict) -> torch.Tensor | None:
+        """``[2, pair rows * D]`` on a rank holding the last stage, else None."""
+        walk = self._pipeline_walk()
+        device = self._device()
+        if self.cfg.precompute_ref:
+            return self._table().lookup(batch, device) if walk.has_last else None
+        with self._reference_context(device):
+            return self._reference_sums(batch, device)
+
+    def _pipeline_walk(self) -> StageWalk:
+        if self._walk is None:
+            raise RuntimeError("dpo under pipeline parallelism: build_loaders must run before "
+                               "the first step (it finds the pipeline's ranks)")
+        return self._walk
 
     def stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        policy, counts, valid = sequence_logps(output, target[:, 0], target[:, 1])
-        return self._pair_loss(policy, counts, valid, None)[0]
+        labels, docs = target[:, 0], target[:, 1]
+        if labels.shape[0] % 2:
+            raise RuntimeError(f"a pipeline micro-batch of {labels.shape[0]} rows splits a pair "
+                               "(chosen and rejected rows travel together)")
+        policy, counts, valid = sequence_logps(output, labels, docs)
+        reference = None
+        if self.needs_reference:
+            D = policy.shape[1] // max(labels.shape[0] // 2, 1)
+            reference = unpack_reference(target[:, 2], D).to(policy.device)
+        return self._pair_loss(policy, counts, valid, reference, rows=labels.shape[0])[0]
 
     # ------------------------------------------------------- around training
     def build_loaders(self, *, dp_rank: int, dp_size: int):
@@ -293,7 +440,29 @@ class DPO(BaseObjective):
             self._ref_rows.append(rows.rows)
         vl = PairValLoader(valid, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
                            dp_size=dp_size, num_batches=d.val_batches)
+        self._setup_reference(dp_rank)
         return tl, vl
+
+    def _setup_reference(self, dp_rank: int) -> None:
+        """After the engine built and initialised the parts: the frozen copy's
+        weights, the pipeline's ranks and the precompute pass. Collective."""
+        if not self.needs_reference:
+            return
+        self._load_reference(self.init_from)
+        specs = [spec for spec, _ in self._stages.values()]
+        if specs and not specs[0].whole and self._walk is None:
+            tp_rank = 0 if self._tp_mesh is None else self._tp_mesh.get_local_rank()
+            self._walk = StageWalk.discover(
+                {spec.index: m for spec, m in self._stages.values()}, specs[0].num_stages,
+                (dp_rank, tp_rank), self._mesh_by_names)
+        self._precompute_when_ready()
+
+    def _mesh_by_names(self, names: tuple[str, ...]):
+        """The mesh of a DTensor activation received from the previous stage
+        (sequence parallelism): the tensor-parallel one."""
+        if self._tp_mesh is not None and tuple(self._tp_mesh.mesh_dim_names) == tuple(names):
+            return self._tp_mesh
+        raise RuntimeError(f"dpo reference walk: no mesh {names} for a received activation")
 
     def adapted_modules(self) -> list[str]:
         return self.inner.adapted_modules() if self.uses_lora else []

@@ -113,34 +113,43 @@ def _batch(rows: np.ndarray) -> dict:
 
 
 @torch.no_grad()
-def build_table(score: Callable[[dict], torch.Tensor], rows: np.ndarray, micro_batch: int,
+def build_table(score: Callable[[dict], torch.Tensor | None], rows: np.ndarray, micro_batch: int,
                 dp_rank: int, dp_size: int, device: torch.device) -> RefTable:
     """Score every pair row once: dp rank r takes rows ``[r*n, (r+1)*n)``
     (wrapping, so every rank runs the same number of equal-sized forwards:
-    FSDP and tensor parallelism hold collectives in them), then the shares
-    are all-gathered. ``score(batch)`` is the reference forward's
-    :func:`sequence_logps` sums ``[2, pair rows * D]``."""
+    FSDP, tensor and pipeline parallelism hold collectives in them), then
+    the shares are all-gathered. ``score(batch)`` is the reference forward's
+    :func:`sequence_logps` sums ``[2, pair rows * D]``, or None on a rank
+    that does not hold them (a pipeline stage before the last): only the
+    ranks that do contribute to the table."""
     N, width = rows.shape[0], _pairs_per_row(rows)
     share = -(-N // dp_size)
     mine = [(dp_rank * share + i) % N for i in range(share)]
     out = torch.zeros(share, 2, width, dtype=torch.float32, device=device)
+    held = True
     for start in range(0, share, micro_batch):
         idx = mine[start:start + micro_batch]
         batch = _batch(rows[idx])
         D = int(batch["document_ids"].max()) + 1
-        sums = score(batch).float().reshape(2, len(idx), D).transpose(0, 1)
-        out[start:start + len(idx), :, :D] = sums
+        sums = score(batch)
+        if sums is None:
+            held = False
+            continue
+        out[start:start + len(idx), :, :D] = sums.float().reshape(2, len(idx), D).transpose(0, 1)
     index = torch.tensor(mine, dtype=torch.int64, device=device)
+    # which of the gathered rows hold log-probs: [share], all of this rank's or none
+    has = torch.full((share,), int(held), dtype=torch.int64, device=device)  # gloo has no bool
     if _world() > 1:
-        # Over every rank: tp peers contribute identical shares, harmlessly.
-        out, index = all_gather_rows(out, dist.group.WORLD), all_gather_rows(
-            index, dist.group.WORLD)
+        # Over every rank: tp peers (and dp ranks wrapping onto the same rows)
+        # contribute identical values, harmlessly.
+        out, index, has = (all_gather_rows(t, dist.group.WORLD) for t in (out, index, has))
     table = torch.zeros(N, 2, width, dtype=torch.float32)
-    table[index.cpu()] = out.cpu()
+    has = has.cpu().bool()
+    table[index.cpu()[has]] = out.cpu()[has]
     return RefTable(pair_keys(_batch(rows)), table)
 
 
-def load_or_build(score: Callable[[dict], torch.Tensor], rows: np.ndarray, micro_batch: int,
+def load_or_build(score: Callable[[dict], torch.Tensor | None], rows: np.ndarray, micro_batch: int,
                   dp_rank: int, dp_size: int, device: torch.device,
                   run_dir: str | None) -> tuple[RefTable, bool]:
     """The table from ``run_dir`` when it covers every pair row on every
