@@ -246,10 +246,17 @@ def run_dpo(overrides: list[str], steps: int = STEPS) -> dict:
 
 
 def _cases(rank: int, world: int, cases: list) -> list:
+    from giantmodel.core.tensors import local_tensor
+
     out = []
     for overrides in cases:
         result = run_dpo(overrides)
-        result.pop("objective"), result.pop("engine")
+        objective = result.pop("objective")
+        result.pop("engine")
+        refs = [p for ref in objective._refs.values() for p in ref.parameters()]
+        # how much of the frozen reference copy this rank holds
+        result["ref_share"] = (sum(local_tensor(p).numel() for p in refs) /
+                               max(sum(p.numel() for p in refs), 1))
         out.append(result if rank == 0 else None)
     return out
 
@@ -281,6 +288,8 @@ def test_layouts_match_one_process(pairs_file):
     data = [f"data.paths=[{pairs_file}]"]
     cases = [
         data + ["dpo.use_lora=true", "parallel.dp=2", "parallel.zero=3"],
+        # full fine-tuning: the frozen copy FSDP-sharded like the policy
+        data + ["dpo.loss_type=ipo", "parallel.dp=2", "parallel.zero=3"],
         data + ["parallel.tp=2"],  # full fine-tuning: a frozen reference copy, tp-sharded
         data + ["dpo.use_lora=true", "parallel.tp=2", "data.pack=true", "dpo.loss_type=ipo"],
         data + ["dpo.loss_type=simpo", "parallel.pp=2"],
@@ -300,6 +309,10 @@ def test_layouts_match_one_process(pairs_file):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (label, k)
         if "dpo.loss_type=simpo" not in overrides:
             assert got["metrics"][0]["rewards/margins"] == 0.0, label  # policy == reference
+        if "dpo.use_lora=true" not in overrides and "dpo.loss_type=simpo" not in overrides:
+            sharded = "parallel.zero=3" in overrides or "parallel.tp=2" in overrides
+            assert got["ref_share"] <= (0.55 if sharded else 1.0), label
+            assert got["ref_share"] > (0.0 if sharded else 0.45), label
         for name, want in ref["params"].items():
             np.testing.assert_allclose(got["params"][name], want, rtol=1e-5, atol=1e-5,
                                        err_msg=f"{label}: {name}")

@@ -21,10 +21,12 @@ The reference policy is:
 
 * with LoRA, the same model with its adapters switched off
   (:func:`giantmodel.models.lora.adapters_off`): no second copy;
-* with full fine-tuning, a frozen copy built, tensor-parallel sharded and
-  initialised like the policy, then loaded from ``checkpoint.init_from``
-  by the objective itself (so a resumed run, whose policy comes from its
-  checkpoint, still gets the initial weights as its reference);
+* with full fine-tuning, a frozen copy built, tensor-parallel sharded,
+  FSDP-sharded over the policy's mesh (ZeRO-3 / HSDP; not yet together with
+  tp, where each dp rank holds its tp share whole) and initialised like the
+  policy, then loaded from ``checkpoint.init_from`` by the objective itself
+  (so a resumed run, whose policy comes from its checkpoint, still gets the
+  initial weights as its reference);
 * with ``dpo.precompute_ref``, either of them run in one pass over every
   training and validation pair at setup, as soon as both the loaders and
   the reference's weights exist (:meth:`DPO.build_loaders` or
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from giantmodel.checkpoint import load_model_weights
@@ -81,8 +84,11 @@ from giantmodel.objectives.dpo_ref import RefTable, all_pair_rows, load_or_build
 from giantmodel.objectives.lm import LanguageModel
 from giantmodel.objectives.lora import LoRA
 from giantmodel.parallel.collectives import all_reduce_sum_
+from giantmodel.parallel.fsdp import _mixed_precision  # the policy's, for the sharded copy
 from giantmodel.parallel.objective import BaseObjective, StageSpec
 from giantmodel.parallel.tensor import apply_tensor_parallel
+
+log = logging.getLogger(__name__)
 
 
 class DPO(BaseObjective):
@@ -117,6 +123,7 @@ class DPO(BaseObjective):
         self._walk: StageWalk | None = None  # pipeline parallelism: the reference's walk
         self._ref_loaded = False  # full fine-tuning: the frozen copy holds init_from
         self._base_loaded = False  # LoRA: load_pretrained filled the base
+        self._warned_tp_copy = False
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> DPO:
@@ -170,10 +177,39 @@ class DPO(BaseObjective):
         self.inner.init_weights(module, device)
         ref = self._refs.get(id(module))
         if ref is not None:
+            self._shard_like(module, ref)
             # The same layout-independent draw as the policy: equal weights.
             self.inner.init_weights(ref, device)
             ref.requires_grad_(False)
             ref.eval()
+
+    def _shard_like(self, policy: nn.Module, ref: nn.Module) -> None:
+        """Under FSDP (ZeRO-3, HSDP; ZeRO-1/2 where they use it) the frozen
+        copy, still on the meta device, is sharded over the policy's mesh in
+        the same units (blocks, edge units, root), with the policy's
+        mixed-precision policy so both compute alike, and resharded after
+        every forward (it has no backward to wait for): each rank holds its
+        shard, not a whole copy. With tensor parallelism too, the policy's
+        parameters live on the combined (dp, tp) mesh, and the copy keeps
+        its tp shards only: a warning says so once."""
+        if not isinstance(policy, FSDPModule):
+            return
+        if self._tp_mesh is not None:
+            if not self._warned_tp_copy:  # once, not per pipeline stage
+                self._warned_tp_copy = True
+                log.warning("dpo: with tensor parallelism and FSDP the frozen reference copy "
+                            "is tensor-parallel sharded only (each dp rank holds its tp share "
+                            "whole); dpo.use_lora avoids the copy")
+            return
+        mesh = next(p.device_mesh for p in policy.parameters() if isinstance(p, DTensor))
+        kw = {"mesh": mesh, "mp_policy": _mixed_precision(self._precision),
+              "reshard_after_forward": True}
+        for name in self.inner.blocks(ref):
+            fully_shard(ref.get_submodule(name), **kw)
+        for unit in self.inner.edge_units(ref):
+            if unit:
+                fully_shard(unit, **kw)
+        fully_shard(ref, **kw)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         return self.inner.tied_parameters()
@@ -276,7 +312,11 @@ class DPO(BaseObjective):
         if self.uses_lora:
             with adapters_off(module):
                 return module(h, **kwargs)
-        return self._refs[id(module)](h, **kwargs)
+        ref = self._refs[id(module)]
+        out = ref(h, **kwargs)
+        if isinstance(ref, FSDPModule):
+            ref.reshard()  # FSDP2 keeps a root gathered after forward, for a backward
+        return out
 
     def _table(self) -> RefTable:
         if self.ref_table is None:
