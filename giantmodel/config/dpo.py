@@ -29,9 +29,9 @@ class DPOConfig:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (its loss is -log sigmoid(beta * avg-logp margin - gamma))."""
     use_lora: bool = False
-    """Train LoRA adapters (the lora section) on a frozen base; the reference is then that base with the adapters switched off, with no second copy. false: full fine-tuning against a frozen copy of the initial weights."""
+    """Train LoRA adapters (the lora section) on a frozen base; the reference is then that base with the adapters switched off, with no second copy. false: full fine-tuning against a frozen copy of the initial weights (sharded like the policy under FSDP)."""
     precompute_ref: bool = False
-    """Score every training and validation pair with the reference model in one pass before the first step (each data-parallel rank its share), keep the log-probs in run.dir/ref_logps.pt (a resumed run reuses them) and train with no reference forward."""
+    """Score every training and validation pair with the reference model in one pass at setup, before the first step (each data-parallel rank its share, then every rank holds the whole table; under pp the pass walks the pipeline), keep the log-probs in run.dir/ref_logps.pt (a resumed run reuses them) and train with no reference forward."""
     max_length: int | None = None
     """Longest prompt + answer in tokens (TRL's max_length); longer sequences are cut by truncation_mode. null: train.seq_len + 1, the most one row holds."""
     max_prompt_length: int | None = None
