@@ -202,3 +202,84 @@ def test_qwen3_and_mistral_activation_terms_match_measured():
         live, saved = _measure_block(m, precision, B, T)
         assert abs(pred / live - 1) < 0.02, (name, precision, pred, live)
         assert abs(pred / saved - 1) < 0.02, (name, precision, pred, saved)
+
+
+# ------------------------------------------------------------------ Gemma
+def _gemma(**kw) -> ModelConfig:
+    """A tiny Gemma 3 block (qk-norm, GeGLU, head_dim 48 != 128 / 4); ``kw``
+    adds the post-norms, soft-capping or a local/global pattern."""
+    base = dict(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=48, ffn_hidden_size=384, vocab_size=1024, max_seq_len=1024,
+                qk_norm=True, mlp_activation="gelu_tanh", embed_scale=True,
+                tie_embeddings=True, attn_scale=48 ** -0.5)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_gemma_post_norms_and_capped_scores_match_measured():
+    """What Gemma's post-norms and Gemma 2's soft-capped scores (the CPU's
+    math path: [s, s] scores kept, k and v repeated to the query heads, no
+    log-sum-exp) add to a block, against the saved tensors' difference
+    with and without them (family_extra_bytes: what layer_terms does not
+    count yet). On a GPU the flex kernel caps the scores fused: nothing added."""
+    from giantmodel.planner.terms import family_extra_bytes, softcap_score_bytes
+
+    B, T = 2, 96
+    cases = {"post_norms": ({"post_norms": True}, {}),
+             "softcap": ({"attn_softcap": 50.0}, {}),
+             "softcap_window": ({"attn_softcap": 50.0, "sliding_window": 32}, {"sliding_window": 32})}
+    for precision in ("fp32", "bf16"):
+        for name, (with_kw, without_kw) in cases.items():
+            m = _gemma(**with_kw)
+            _, saved_with = _measure_block(m, precision, B, T)
+            _, saved_without = _measure_block(_gemma(**without_kw), precision, B, T)
+            extra = family_extra_bytes(m, precision, B, T, 1, False, 1, accelerator=False)
+            pred = m.num_layers * sum(extra.values())
+            assert pred > 0 and pred == saved_with - saved_without, (precision, name, extra)
+    assert softcap_score_bytes(_gemma(attn_softcap=50.0), "bf16", B, T, 1, True) == {}
+
+
+def test_gemma_attention_time_follows_local_global_layers_and_caps():
+    """Gemma 3's local layers score a window's pairs, its global ones the
+    causal triangle; a pipeline rank holding more global layers is the
+    slower by exactly their difference. Gemma 2's capped scores on the CPU
+    (the math path) cost the whole [s, s] whatever the window, and more than
+    the fused kernel; on a GPU (flex, fused) the window counts."""
+    from giantmodel.planner.attention import attention_time, rank_attention_skew
+    from giantmodel.planner.perf import stage_times
+
+    T, w = 1024, 128
+    local, glob = "sliding_attention", "full_attention"
+    last = _gemma(num_layers=6, sliding_window=w, layer_types=[local] * 5 + [glob])
+    first = _gemma(num_layers=6, sliding_window=w, layer_types=[glob] + [local] * 5)
+    win, full = w * T - w * w / 2, T * T / 2
+    assert attention_pairs(last, T, 0) == win and attention_pairs(last, T, 5) == full
+    assert attention_pairs(last, T) == (5 * win + full) / 6
+    all_local = _gemma(num_layers=6, sliding_window=w)
+    assert model_flops_per_step(all_local, 8, T) < model_flops_per_step(last, 8, T) \
+        < model_flops_per_step(_gemma(num_layers=6), 8, T)
+
+    hw, cluster, opts = get_profile("h100-sxm"), Cluster(1, 1), PerfOptions()
+    lay = replace(_layout(last, "bf16", 1, T), pp=2, stage_layers=(3, 3))
+    a_l, a_g = (attention_time(last, lay, hw, opts, i) for i in (0, 5))
+    skews = [rank_attention_skew(last, lay, hw, opts, r) for r in (0, 1)]
+    assert abs(skews[0][0] + skews[1][0]) < 1e-12 * a_g[0]
+    assert abs(skews[1][0] - skews[0][0] - (a_g[0] - a_l[0])) < 1e-9 * a_g[0]
+    s_last, s_first = (stage_times(m, lay, hw, cluster, opts) for m in (last, first))
+    gap = a_g[0] - a_l[0]
+    assert abs(s_first[0].fwd - s_last[0].fwd - gap) < 1e-6 * s_last[0].fwd
+    assert abs(s_last[1].fwd - s_first[1].fwd - gap) < 1e-6 * s_last[1].fwd
+
+    cpu = get_profile("cpu")
+    lay1 = _layout(last, "fp32", 1, T)
+    capped = [_gemma(attn_softcap=50.0, sliding_window=sw, layer_types=None)
+              for sw in (None, w)]
+    t_full, t_win = (attention_time(m, lay1, cpu, opts) for m in capped)
+    assert t_full == t_win   # the math path computes every score
+    fused = attention_time(_gemma(), lay1, cpu, opts)
+    assert t_full[0] > fused[0] and t_full[1] > fused[1]
+    g_full, g_win = (attention_time(m, lay1, hw, opts) for m in capped)
+    assert g_win[0] < g_full[0]   # flex on a GPU skips the blocks outside the window
+    # and the block's time carries the math path's score traffic
+    assert layer_time(capped[0], lay1, cpu, cluster, opts).fwd \
+        > layer_time(_gemma(), lay1, cpu, cluster, opts).fwd + t_full[0] - fused[0]

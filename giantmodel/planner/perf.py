@@ -61,12 +61,12 @@ from dataclasses import dataclass, field, replace
 
 from giantmodel.core.hostmem import MMAP_CEILING_BYTES
 from giantmodel.parallel.flat_buffer import layout_sizes
+from giantmodel.planner.attention import attention_pairs, attention_time, rank_attention_skew
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import (
     DTYPE_BYTES,
     MIB,
     active_matmul_params,
-    cp_masked_attention,
     layer_activation_bytes,
     layout_strategy,
     lora_layer_shapes,
@@ -85,6 +85,7 @@ from giantmodel.planner.moe import (
     mla_matmul_shapes,
     shared_matmul_shapes,
 )
+from giantmodel.planner.terms import family_extra_bytes
 
 
 @dataclass
@@ -242,19 +243,18 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     mode = mode or layout.recompute
     t, cp, prec = layout.tp, layout.cp, layout.precision
     tokens = layout.micro_batch * layout.seq_len / cp
-    q = attention_width(m)
     # one GEMM per weight, as the blocks run them (wq, wk and wv apart; w1 and w3 apart)
     gemm = sum(gemm_time(hw, prec, tokens, k, n) for k, n in _block_matmul_shapes(m, t).values())
     if m.moe is not None:   # the routed experts (the router is fp32, in the shapes)
         gemm += expert_gemm_time(m, layout, hw, tokens)
     gemm /= opts.gemm_speedup
-    attn_flops = 4.0 * layout.micro_batch * attention_pairs(m, layout.seq_len) * q / (t * cp)
-    masked = opts.cp_masked_attention
-    if cp > 1 and (cp_masked_attention(m) if masked is None else masked):
-        attn_flops *= (2 * cp + 1) / (2 * cp)   # each chunk's rectangle up to its end
-    attn = attn_flops / (hw.flops(prec) * hw.attention_efficiency)
-    none = sum(layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len,
-                                      t, layout.sp, cp).values())
+    attn, attn_b = attention_time(m, layout, hw, opts)
+    acts = layer_activation_bytes(m, prec, "none", layout.micro_batch, layout.seq_len, t,
+                                  layout.sp, cp)
+    for name, nbytes in family_extra_bytes(m, prec, layout.micro_batch, layout.seq_len, t,
+                                           layout.sp, cp, on_accelerator(hw)).items():
+        acts.setdefault(name, nbytes)
+    none = sum(acts.values())
     elem = mem_time(hw, 2.0 * none)   # each saved tensor written once, read once
     comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)
     if m.moe is not None:   # dispatch + combine; selective keeps the dispatched rows
@@ -262,14 +262,14 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
                                              opts.node_limited_dispatch)
         if opts.moe_comm_overlap:   # beside the other micro-batch's block compute
             a2a_f = beside_compute(hw, a2a_f, gemm + attn)
-            a2a_b = beside_compute(hw, a2a_b, 2 * gemm + opts.flash_bwd_factor * attn)
+            a2a_b = beside_compute(hw, a2a_b, 2 * gemm + attn_b)
         comm_f, comm_b = comm_f + a2a_f, comm_b + a2a_b
     adapters = _adapter_gemm_time(m, layout, hw, tokens)
     fwd = gemm + adapters + attn + elem + comm_f
     # backward: input and weight gradients; a frozen base (LoRA) needs the
     # input gradients only, its adapters both
     base_bwd = gemm if layout.lora_rank else 2 * gemm
-    bwd = base_bwd + 2 * adapters + opts.flash_bwd_factor * attn + 2 * elem + comm_b
+    bwd = base_bwd + 2 * adapters + attn_b + 2 * elem + comm_b
     if mode == "full":
         rec, rec_comm = fwd, comm_f
     elif mode == "selective":
@@ -424,17 +424,6 @@ class PerfReport:
     """Seconds per step by part: compute, bubble, exposed comm, optimizer."""
 
 
-def attention_pairs(m, seq_len: int) -> float:
-    """(query, key) pairs one sequence's causal attention scores, in the
-    continuous form the FLOP counts use: s^2 / 2, or with a sliding window of
-    w < s keys (min(w, position) keys per query) w s - w^2 / 2, which grows
-    with the window, not with s."""
-    w = m.sliding_window
-    if w is None or w >= seq_len:
-        return seq_len * seq_len / 2.0
-    return w * seq_len - w * w / 2.0
-
-
 def model_flops_per_step(m, global_batch: int, seq_len: int) -> float:
     """Model FLOPs of one step: 6 x the matmul weights a token runs through
     (MoE: the active ones, top_k routed experts, shared experts and router,
@@ -508,6 +497,8 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
             f += n * times[mode].fwd
             b += n * (times[mode].bwd + times[mode].recompute)
             ops += n * dt_block[mode]
+        skew_f, skew_b = rank_attention_skew(m, layout, hw, opts, r)
+        f, b = f + skew_f, b + skew_b
         emb_f, head_f = edge_fractions(layout)
         if 0 in stages:
             f += emb * emb_f

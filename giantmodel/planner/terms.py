@@ -24,77 +24,75 @@ class Term:
 
 def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = None,
                 bf16_stream: bool = False) -> list[Term]:
-    """Saved tensors of one transformer block (see the module docstring).
+    """Saved tensors of one transformer block (see the module docstring), as
+    :mod:`giantmodel.models.common.fused` keeps them. The residual stream is
+    in the compute dtype (``c`` bytes), so are the norms' outputs, and each
+    is saved once: RMSNorm keeps its input and an fp32 rstd; the fused
+    q|k|v and gate|up GEMMs keep their one input (sharded along the
+    sequence under sp: 'seq'); the gated activation keeps gate and up.
     ``lora`` = (rank, adapted paths): the block's base is frozen (see
-    :func:`_frozen_base_terms`). ``bf16_stream``: the residual stream is bf16
-    (a LoRA base kept in bf16): the norms still keep fp32 copies of their
-    inputs, but RMSNorm returns bf16 (``type_as``), which LLaMA's linears read
-    without casts, one tensor for all of them. GPT's LayerNorm runs in fp32
-    under CUDA autocast and returns fp32: its linears still cast. (CPU
-    autocast leaves layer_norm in bf16: GPT on a CPU keeps less.)"""
+    :func:`_frozen_base_terms`). ``bf16_stream`` is kept for callers: the
+    stream is now always in the compute dtype. GPT's LayerNorm keeps its
+    input, mean and rstd; its MLP (an autocast linear) reads the norm's
+    compute-dtype output without a cast."""
     c = DTYPE_BYTES[precision]
-    cast = c < 4   # autocast: each linear casts its input separately
-    shared = cast and bf16_stream and m.arch == "llama"   # bf16 norm outputs: no casts
     h, f = m.hidden_size, m.ffn_hidden_size
     q, kv, n = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head, m.num_heads
     terms = []
     if m.arch == "llama":
-        def norm(p):  # RMSNorm: fp32 input, x * rstd, rstd
-            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.normed", 4 * h, "seq"),
-                    Term(f"{p}.rstd", 4, "seq")]
+        def norm(p):  # RMSNorm: its input as it came, one fp32 rstd per row
+            return [Term(f"{p}.input", c * h, "seq"), Term(f"{p}.rstd", 4, "seq")]
         terms += norm("attention_norm")
-        if m.qk_norm:
-            terms += qk_norm_terms(m)
         if m.mla is not None:
-            terms += mla_terms(m, precision, cast)
-        terms += [] if m.mla is not None else [Term("attention.input", c * h if shared else 3 * c * h if cast else 4 * h,
-                       "full"),
-                  Term("attention.q_rope", c * q, "tp"), Term("attention.k_rope", c * kv, "tp", kv=True),
-                  Term("attention.v", c * kv, "tp", kv=True),
-                  Term("attention.lse", 4 * n, "tp"),
-                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
-                  Term("attention.core_out", c * q, "tp")]
+            terms += mla_terms(m, precision)
+        else:
+            terms += [Term("attention.input", c * h, "seq")]
+            if m.qk_norm:
+                terms += qk_norm_terms(m, precision)
+            terms += [Term("attention.q_rope", c * q, "tp"),
+                      Term("attention.k_rope", c * kv, "tp", kv=True)]
+            if not m.qk_norm:   # with qk-norm v is a view of the kept q|k|v output
+                terms.append(Term("attention.v", c * kv, "tp", kv=True))
+            terms += [Term("attention.lse", 4 * n, "tp"),
+                      # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
+                      Term("attention.core_out", c * q, "tp")]
         terms += norm("ffn_norm")
         if m.moe is not None:   # the shared experts read the normed stream as a SwiGLU does
             terms += moe_ffn_terms(m, precision)
-        terms += [] if m.moe is not None else [
-                  Term("feed_forward.input", c * h if shared else 2 * c * h if cast else 4 * h,
-                       "full"),
-                  Term("feed_forward.w1_out", c * f, "tp"), Term("feed_forward.w3_out", c * f, "tp"),
-                  Term("feed_forward.silu", c * f, "tp"),
-                  Term("feed_forward.w2_input", c * f, "tp")]
+        else:
+            terms += [Term("feed_forward.input", c * h, "seq"),
+                      Term("feed_forward.w1_out", c * f, "tp"),
+                      Term("feed_forward.w3_out", c * f, "tp"),
+                      Term("feed_forward.w2_input", c * f, "tp")]
     else:
-        def norm(p):  # LayerNorm: fp32 input, mean and rstd
-            return [Term(f"{p}.input", 4 * h, "seq"), Term(f"{p}.stats", 8, "seq")]
+        def norm(p):  # LayerNorm (fused.LayerNorm): its input, fp32 mean and rstd
+            return [Term(f"{p}.input", c * h, "seq"), Term(f"{p}.stats", 8, "seq")]
         terms += norm("attention_norm")
-        terms += [Term("attention.input", 3 * c * h if cast else 4 * h, "full"),
+        # no RoPE: q, k and v stay views of the one kept q|k|v output
+        terms += [Term("attention.input", c * h, "seq"),
                   Term("attention.q", c * q, "tp"), Term("attention.k", c * kv, "tp", kv=True),
                   Term("attention.v", c * kv, "tp", kv=True),
                   Term("attention.lse", 4 * n, "tp"),
-                  # SDPA's output, laid out [B, T, H, D]: wo's input is a view of it
                   Term("attention.core_out", c * q, "tp")]
         terms += norm("ffn_norm")
-        terms += [Term("feed_forward.input", c * h if cast else 4 * h, "full"),
+        terms += [Term("feed_forward.input", c * h, "full"),
                   Term("feed_forward.w1_out", c * f, "tp"),
                   Term("feed_forward.w2_input", c * f, "tp")]
         if m.dropout > 0:  # CUDA dropout keeps a 1-byte mask per element
             terms += [Term("dropout.masks", 2 * h, "seq"), Term("attention.dropout_rng", 0, "tp")]
-    return terms if lora is None else _frozen_base_terms(m, terms, c, *lora, shared=shared)
+    return terms if lora is None else _frozen_base_terms(m, terms, c, *lora)
 
 
-def qk_norm_terms(m) -> list[Term]:
+def qk_norm_terms(m, precision: str) -> list[Term]:
     """Qwen3's per-head RMSNorm of q and k (before RoPE): each keeps its
-    input in fp32 (a copy of the compute-dtype projection under autocast,
-    the projection itself in fp32), ``x * rstd`` in fp32 for the weight's
-    gradient, and one rstd per head. Local to the rank: the keys are
-    normalised before context parallelism gathers them."""
+    input, a view of the fused q|k|v output (kept whole, once), and one
+    fp32 rstd per head. Local to the rank: the keys are normalised before
+    context parallelism gathers them."""
+    c = DTYPE_BYTES[precision]
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
-    out = []
-    for name, width, heads in (("q_norm", q, m.num_heads), ("k_norm", kv, m.kv_heads)):
-        out += [Term(f"attention.{name}.input", 4 * width, "tp"),
-                Term(f"attention.{name}.normed", 4 * width, "tp"),
-                Term(f"attention.{name}.rstd", 4 * heads, "tp")]
-    return out
+    return [Term("attention.qkv_out", c * (q + 2 * kv), "tp"),
+            Term("attention.q_norm.rstd", 4 * m.num_heads, "tp"),
+            Term("attention.k_norm.rstd", 4 * m.kv_heads, "tp")]
 
 
 # Which linears read each saved linear input (the block's q/k/v and MLP inputs).
@@ -104,19 +102,15 @@ _LINEAR_INPUTS = {"attention.input": ("attention.wq", "attention.wk", "attention
 
 
 def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
-                       paths: tuple[str, ...], shared: bool = False) -> list[Term]:
-    """LoRA: a frozen weight needs no weight gradient, so autograd keeps a
-    linear's input only for the adapters that read it (one cast copy per
-    adapter under autocast, as for the base linears); RMSNorm's ``x * rstd``
-    was kept only for its (now frozen) weight. Each adapter adds its rank-r
-    ``A x`` (B's input). GPT's LayerNorm keeps its input and statistics anyway.
-    ``shared``: the linears read one bf16 tensor (no casts), kept whole for
-    any adapter."""
-    cast = c < 4 and not shared
+                       paths: tuple[str, ...]) -> list[Term]:
+    """LoRA: adapted linears run their own forward (not the fused GEMM), and
+    a frozen weight needs no weight gradient, so autograd keeps a linear's
+    input only for the adapters that read it: LLaMA's linears read the
+    compute-dtype norm output, one tensor kept whole (gathered under tp)
+    for any adapter. Each adapter adds its rank-r ``A x`` (B's input). The
+    norms keep their inputs anyway."""
     out = []
     for t in terms:
-        if t.name.endswith(".normed"):
-            continue
         readers = _LINEAR_INPUTS.get(t.name)
         if readers is not None:
             if m.arch == "gpt" and t.name == "feed_forward.input":
@@ -124,8 +118,8 @@ def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
             adapted = sum(r in paths for r in readers)
             if not adapted:
                 continue
-            per_reader = t.bytes_per_token / (len(readers) if cast else 1)
-            t = Term(t.name, per_reader * (adapted if cast else 1), t.split)
+            split = "full" if t.split == "seq" else t.split
+            t = Term(t.name, t.bytes_per_token, split)
         out.append(t)
     # A x is [tokens, r] whole on every tp rank (A's row-parallel partial
     # sums are reduced); adapter dropout (lora.dropout > 0) is not counted.
@@ -151,7 +145,7 @@ def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]
     h, f, n = m.hidden_size, m.ffn_hidden_size, m.num_heads
     q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
     parts = 2 if cp > 1 and not cp_masked_attention(m) else 1
-    terms = [Term("block.input", 4 * h, "seq")]
+    terms = [Term("block.input", c * h, "seq")]   # the residual, in the compute dtype
     if m.mla is not None:
         terms += mla_selective_terms(m, precision)
     else:
@@ -287,4 +281,82 @@ def mla_selective_terms(m, precision: str) -> list[Term]:
             Term("attention.core_out", c * heads * a.v_head_dim, "tp"),
             Term("attention.lse", 4 * heads, "tp"),
             Term("attention.wo_out", c * h, "full")]
+    return out
+
+
+# ------------------------------------------------- Gemma: post-norms, soft-capped scores
+def post_norm_terms(terms: list[Term]) -> list[Term]:
+    """Gemma 2/3's post-norms (``ModelConfig.post_norms``): an RMSNorm on the
+    attention's and on the feed-forward's output before each residual add.
+    Each keeps what the block's pre-norm of the same branch keeps (``terms``:
+    :func:`layer_terms`' list): its input as the norm receives it (the
+    linear's output, in the compute dtype, made fp32 where the norm
+    computes in fp32, as the residual stream is for the pre-norms), the
+    normalised input for the weight's gradient, one rstd per row. Derived
+    from the pre-norms' terms so that the two stay one model of a norm."""
+    out = []
+    for pre, post in (("attention_norm.", "attention.out_norm."),
+                      ("ffn_norm.", "feed_forward.out_norm.")):
+        out += [Term(post + t.name.removeprefix(pre), t.bytes_per_token, t.split)
+                for t in terms if t.name.startswith(pre)]
+    return out
+
+
+def softcap_math(m, accelerator: bool) -> bool:
+    """Whether soft-capped attention scores (``ModelConfig.attn_softcap``,
+    Gemma 2) run the math path, scores materialised
+    (:func:`giantmodel.models.common.masks.softcap_attention`): off the
+    accelerator, or with attention dropout. On a GPU without dropout flex
+    attention applies the cap as a score modifier, fused: what it keeps and
+    scores is the fused kernel's."""
+    return m.attn_softcap is not None and (not accelerator or m.dropout > 0)
+
+
+def softcap_score_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int,
+                        accelerator: bool) -> dict[str, float]:
+    """Bytes one block keeps beyond :func:`layer_terms` (which counts the
+    fused kernel's q, k, v, output and log-sum-exp) when its soft-capped
+    scores run the math path (:func:`softcap_math`; context parallelism is
+    refused with soft-capping), one micro-batch, by tensor name. Whatever
+    the window, every [s, s] score is computed and kept: the tanh's output
+    (compute dtype), the fp32 softmax output, and its cast to the compute
+    dtype that the probabilities' matmul reads (in fp32 the cast is the
+    softmax output itself): 8 bytes a score in fp32 and in bf16. The masked
+    fill keeps the inverted boolean band ([s, s], one per block, broadcast
+    over the batch). Under GQA the two matmuls keep k and v repeated to the
+    query heads instead of the kernel's k and v; no log-sum-exp."""
+    if not softcap_math(m, accelerator):
+        return {}
+    c = DTYPE_BYTES[precision]
+    tokens = micro_batch * seq_len
+    heads = m.num_heads / tp
+    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    scores = micro_batch * heads * seq_len * seq_len
+    out = {"attention.scores_capped": c * scores,
+           "attention.probs_fp32": 4.0 * scores,
+           "attention.score_mask": float(seq_len * seq_len),
+           "attention.lse_not_kept": -4.0 * tokens * heads}
+    if c < 4:
+        out["attention.probs"] = c * scores
+    if kv != q:
+        out["attention.kv_repeated"] = 2.0 * c * tokens * (q - kv) / tp
+    return out
+
+
+def family_extra_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
+                       cp: int, accelerator: bool) -> dict[str, float]:
+    """What one block keeps (no recompute, one micro-batch) that
+    :func:`layer_terms` does not count yet: Gemma's post-norms and the
+    soft-capped math path's scores. The time model adds each name that
+    the memory model's block does not already hold, so a memory model that
+    counts them (layer_terms calling :func:`post_norm_terms`,
+    layer_activation_bytes adding :func:`softcap_score_bytes`) is not
+    counted twice."""
+    out = {}
+    if m.post_norms and m.arch == "llama":
+        tokens = micro_batch * seq_len / cp
+        out.update({t.name: term_bytes(t, tokens, tp, sp, cp)
+                    for t in post_norm_terms(layer_terms(m, precision))})
+    if cp == 1:
+        out.update(softcap_score_bytes(m, precision, micro_batch, seq_len, tp, accelerator))
     return out
