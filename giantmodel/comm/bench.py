@@ -19,7 +19,7 @@ with other work one pair of cells can land on a quiet and a busy second).
 uneven blocks of an MoE dispatch (seeded, the same every run: each rank
 still sends S bytes in all, to each peer between 0.25 and 1.75 times an
 equal share, so ranks receive different amounts). ``--node-size K``
-makes giant treat every K ranks as one node (hierarchical all-reduce; only
+makes giant treat every K ranks as one node (hierarchical collectives; only
 TCP between the emulated nodes) while gloo stays flat. ``--stream`` adds the
 host's STREAM copy/triad bandwidth, from which the memory-bound column is
 derived (see :func:`memory_bound_busbw`).
