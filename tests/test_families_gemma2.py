@@ -1,7 +1,9 @@
 """Gemma 2: parity with transformers' Gemma2ForCausalLM on a tiny random
 config (fp32) with both soft-caps binding and a sequence past the window,
 the round trip back to HF, the KV-cache path and packed rows under the
-capped kernel, and the plain-loss fallback of a capped head."""
+capped kernel, and the plain-loss fallback of a capped head. Soft-caps on
+export: Gemma 3 writes them too (Gemma3ForCausalLM applies them), every
+other family refuses them in one line."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from hf_helpers import logits as _logits  # noqa: E402
 from hf_helpers import perturb  # noqa: E402
 
+from giantmodel.config.model import ModelConfig  # noqa: E402
 from giantmodel.core.loss import resolve_loss_impl  # noqa: E402
 from giantmodel.models.common.layers import KVCache  # noqa: E402
 from giantmodel.models.hf import from_hf, hf_config_to_model_config, to_hf  # noqa: E402
@@ -104,3 +107,59 @@ def test_soft_capping_bad_values_and_cp_fail_before_launch():
     cfg = load_config(None, [*base, "model.attn_softcap=50.0", "parallel.cp=2"])
     with pytest.raises(ConfigError, match="parallel.cp"):
         ParallelDims.from_config(cfg, 2)
+
+
+def test_soft_caps_on_export_each_format_writes_its_own_and_refuses_the_rest(tmp_path):
+    """Gemma 3's format carries the final-logit cap (Gemma3ForCausalLM
+    applies it; its attention ignores attn_logit_softcapping): a capped
+    Gemma 3 reads, runs like transformers' and writes the cap back
+    (convert --to hf's save_hf). A cap that a family's format has no key
+    for (or transformers would not apply) fails in one line naming the key
+    and where it can go, before anything is written; Gemma 2 writes both
+    (test_parity_round_trip_cache_and_packing)."""
+    import json
+
+    from giantmodel.config.errors import UserInputError
+    from giantmodel.models import build_model
+    from giantmodel.models.families import FAMILIES
+    from giantmodel.models.hf import model_config_to_hf_config
+
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-6,
+        head_dim=24, sliding_window=8, query_pre_attn_scalar=20, final_logit_softcapping=1.5)
+    torch.manual_seed(0)
+    hf = perturb(transformers.Gemma3ForCausalLM(cfg).eval(), scale=0.3)
+    hf.save_pretrained(tmp_path / "src")
+    model = from_hf(tmp_path / "src").eval()
+    assert (model.cfg.family, model.cfg.attn_softcap, model.cfg.final_softcap) == \
+        ("gemma3_text", None, 1.5)
+    tokens = _tokens()
+    ref = _logits(hf, tokens)
+    assert ref.abs().max() > 1.0  # the cap (1.5) binds
+    assert (_logits(model, tokens) - ref).abs().max().item() <= TOL
+    to_hf(model, model.cfg, tmp_path / "back")
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["final_logit_softcapping"] == 1.5
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert (_logits(back, tokens) - ref).abs().max().item() <= TOL
+
+    assert {n for n, f in FAMILIES.items() if "attn_softcap" in f.softcaps} == {"gemma2"}
+    assert {n for n, f in FAMILIES.items() if "final_softcap" in f.softcaps} \
+        == {"gemma2", "gemma3_text"}
+    refused = 0
+    for name, family in sorted(FAMILIES.items()):
+        for key in set(("attn_softcap", "final_softcap")) - family.softcaps:
+            bad = ModelConfig(**{**model.cfg.__dict__, "family": name, key: 30.0})
+            with pytest.raises(UserInputError, match=f"model.{key}=30.0 cannot be written in "
+                                                     f"the {name} format") as e:
+                model_config_to_hf_config(bad)
+            assert "\n" not in str(e.value) and "export it as gemma2" in str(e.value)
+            refused += 1
+    assert refused == 2 * len(FAMILIES) - 3
+    for family, key in (("mistral", "final_softcap"), ("gemma3_text", "attn_softcap")):
+        out = tmp_path / f"as_{family}"
+        bad = ModelConfig(**{**model.cfg.__dict__, "family": family, key: 30.0})
+        with pytest.raises(UserInputError, match=f"model.{key}"):
+            to_hf(build_model(bad), bad, out)
+        assert not out.exists() or not any(out.iterdir())

@@ -81,6 +81,10 @@ class Family:
     the first is written on export."""
     arch: str = "llama"
     """The giantmodel skeleton (``model.arch``) this family builds."""
+    softcaps: frozenset[str] = frozenset()
+    """Which soft-caps (``attn_softcap``, ``final_softcap``) the format's
+    ``config.json`` carries and transformers' class applies (Gemma 2 both,
+    Gemma 3 the final one); :meth:`check_export` refuses the others."""
     names: NameMap
 
     # ------------------------------------------------------------- config
@@ -96,6 +100,22 @@ class Family:
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserInputError when ``cfg`` has something this format cannot
         express (so an export never drops a tensor or a setting silently)."""
+
+    def check_export(self, cfg: ModelConfig) -> None:
+        """:meth:`check`, after the soft-caps, which a format without them
+        (:attr:`softcaps`) would drop: the export would compute other logits
+        than the model trained."""
+        from giantmodel.models.families import FAMILIES  # the registry imports this module
+
+        for key in ("attn_softcap", "final_softcap"):
+            cap = getattr(cfg, key)
+            if cap is not None and key not in self.softcaps:
+                able = " or ".join(sorted(n for n, f in FAMILIES.items() if key in f.softcaps))
+                raise UserInputError(
+                    f"model.{key}={cap!r} cannot be written in the {self.name} format "
+                    f"(transformers' {(self.architectures or (self.name,))[0]} has no such "
+                    f"soft-cap); export it as {able}")
+        self.check(cfg)
 
     def refuse(self, cfg: ModelConfig, **expected) -> None:
         """Helper for :meth:`check`: every ``model.<key>`` must equal its value."""

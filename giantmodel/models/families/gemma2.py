@@ -18,6 +18,7 @@ from giantmodel.models.families.gemma3 import (
     GEMMA3_NAMES,
     Gemma3Family,
     rope_scaling_from_hf,
+    softcap_from_hf,
 )
 
 GEMMA2_NAMES = NameMap(base=GEMMA3_NAMES.base, layers=GEMMA3_NAMES.layers, top=GEMMA3_NAMES.top,
@@ -25,14 +26,11 @@ GEMMA2_NAMES = NameMap(base=GEMMA3_NAMES.base, layers=GEMMA3_NAMES.layers, top=G
                               if not k.endswith(("q_norm", "k_norm"))})
 
 
-def _cap(value) -> float | None:
-    return float(value) if value else None
-
-
 class Gemma2Family(Gemma3Family):
     name = "gemma2"
     model_types = ("gemma2",)
     architectures = ("Gemma2ForCausalLM",)
+    softcaps = frozenset({"attn_softcap", "final_softcap"})
     names = GEMMA2_NAMES
     default_window_pattern = 2
     """Gemma 2: local and global layers alternate, the first local."""
@@ -69,8 +67,8 @@ class Gemma2Family(Gemma3Family):
             sliding_window=int(window) if window else None, layer_types=types,
             attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
             post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
-            attn_softcap=_cap(hf.get("attn_logit_softcapping")),
-            final_softcap=_cap(hf.get("final_logit_softcapping")))
+            attn_softcap=softcap_from_hf(hf.get("attn_logit_softcapping")),
+            final_softcap=softcap_from_hf(hf.get("final_logit_softcapping")))
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         return {

@@ -7,7 +7,9 @@ local (sliding-window) and global layers (``layer_types``, or the older
 scaling for the global ones), the softmax scale ``query_pre_attn_scalar **
 -0.5``, qk-norm, four norms per block (pre- and post-attention, pre- and
 post-feed-forward), GeGLU with the tanh GELU, the embedding scaled by
-sqrt(hidden) and tied embeddings.
+sqrt(hidden) and tied embeddings; the final logits soft-capped when the
+config sets ``final_logit_softcapping`` (Gemma3ForCausalLM applies it; its
+attention ignores ``attn_logit_softcapping``, which is refused).
 
 Gemma's RMSNorm multiplies by ``1 + w``: checkpoints store ``w``, the model
 holds ``1 + w`` (computed in fp32 on load, subtracted on save), so the
@@ -23,6 +25,12 @@ from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig, RopeScaling
 from giantmodel.models.families.base import Family, NameMap
 from giantmodel.models.families.llama import TOP
+
+
+def softcap_from_hf(value) -> float | None:
+    """A ``*_softcapping`` key: null (or 0, as some configs write "off") is none."""
+    return float(value) if value else None
+
 
 GEMMA3_NAMES = NameMap(base="model.", layers="layers", top=TOP, layer={
     "input_layernorm": "attention_norm",
@@ -110,6 +118,9 @@ class Gemma3Family(Family):
     model_types = ("gemma3_text", "gemma3")
     """'gemma3' (multimodal): its text model only; exports write gemma3_text."""
     architectures = ("Gemma3ForCausalLM",)
+    # transformers' Gemma3Attention keeps attn_logit_softcapping but never
+    # passes it to its attention functions; Gemma3ForCausalLM caps the logits.
+    softcaps = frozenset({"final_softcap"})
     names = GEMMA3_NAMES
     default_window_pattern = 6
     """Gemma 3: five local layers, then one global (``sliding_window_pattern``)."""
@@ -145,8 +156,7 @@ class Gemma3Family(Family):
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UserInputError(f"{self.name} hidden_activation {act!r} is not supported; "
                                  "expected 'gelu_pytorch_tanh'")
-        for key in ("use_bidirectional_attention", "attention_bias",
-                    "attn_logit_softcapping", "final_logit_softcapping"):
+        for key in ("use_bidirectional_attention", "attention_bias", "attn_logit_softcapping"):
             if hf.get(key):
                 raise UserInputError(f"{self.name} with {key}={hf[key]!r} is not supported")
         layers = int(hf["num_hidden_layers"])
@@ -173,7 +183,8 @@ class Gemma3Family(Family):
             init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0,
             qk_norm=True, sliding_window=int(window) if window else None, layer_types=types,
             attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-            post_norms=True, mlp_activation="gelu_tanh", embed_scale=True)
+            post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
+            final_softcap=softcap_from_hf(hf.get("final_logit_softcapping")))
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
@@ -184,7 +195,7 @@ class Gemma3Family(Family):
             "rope_theta": cfg.rope_theta, "rope_local_base_freq": local, "rope_scaling": scaling,
             "rope_parameters": {"full_attention": full,
                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}},
-            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "final_logit_softcapping": cfg.final_softcap, "attn_logit_softcapping": None,
         }
 
     def shared_hf_config(self, cfg: ModelConfig) -> dict:
