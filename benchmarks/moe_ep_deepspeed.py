@@ -136,17 +136,18 @@ def rank_main(rank: int, world: int, shape: dict, reps: int, warmup: int) -> dic
     got = _step("deepspeed", layers["deepspeed"], x, grad)
     diff = {"out": (ref[0] - got[0]).abs().max().item(),
             "grad_x": (ref[1] - got[1]).abs().max().item()}
-    names = list(layers)
-    times = {n: [] for n in names}
-    for rep in range(warmup + reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            _step(name, layers[name], x, grad)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a rep lasts as long as its slowest rank
-            if rep >= warmup:
-                times[name].append(dt.item())
+    sys.path.insert(0, str(HERE))
+    from moe_reps import alternating_reps
+
+    def run(name: str) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        _step(name, layers[name], x, grad)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a rep lasts as long as its slowest rank
+        return dt.item()
+
+    times = alternating_reps(list(layers), reps, warmup, run)
     return {"times_s": times, "max_abs_diff": diff, "deepspeed": deepspeed.__version__,
             "torch": torch.__version__}
 

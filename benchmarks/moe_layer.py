@@ -32,6 +32,7 @@ import statistics
 import time
 
 import torch
+from moe_reps import alternating_reps
 
 SHAPE = dict(hidden=512, ffn=1792, experts=8, top_k=2, batch=2, seq=2048)
 HF_IMPLS = ("eager", "grouped_mm")
@@ -119,13 +120,7 @@ def measure(shape: dict, reps: int, warmup: int, impls) -> dict:
         step(layer, x, grad)
         return time.perf_counter() - t0
 
-    times = {name: [] for name in names}
-    for rep in range(warmup + reps):
-        order = names if rep % 2 == 0 else names[::-1]
-        for name in order:
-            t = run(name)
-            if rep >= warmup:
-                times[name].append(t)
+    times = alternating_reps(names, reps, warmup, run)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     best_hf = min((m, name) for name, m in median.items() if name != "giantmodel")
     return dict(shape=shape, tokens=n, reps=reps, threads=torch.get_num_threads(),

@@ -343,3 +343,75 @@ def test_cuda_bf16_experts_take_the_fused_grouped_gemm_and_match_the_loop():
     for a, b in zip(*results, strict=True):
         assert torch.isfinite(a).all()
         assert float((a - b).norm() / b.norm()) < 2e-2  # bf16 rounding, not a wrong row
+
+
+def _autograd_loop(x, counts, w1, w3, w2):
+    """The expert loop as plain autograd ops (what _ExpertLoop does by hand)."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x[start:start + n]
+        if e < w1.shape[0]:
+            outs.append((nn.functional.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        else:
+            outs.append(torch.zeros_like(xe[:, :w2.shape[2]]))  # dropped rows
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hand_written_expert_loop_and_gathers_equal_autograd(dtype):
+    """The CPU loop's autograd function against the same ops under autograd:
+    an expert with no rows, dropped trailing rows, under bf16 autocast too;
+    a second backward (zero-bubble's split input/weight pass) gives the
+    same gradients. gather_rows and the k-way combine against indexing and
+    bmm, with gradients."""
+    from giantmodel.models.common.moe import GroupedExperts, _Combine, gather_rows
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(H, F, 4, impl="loop")
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    counts = [5, 0, 7, 3, 2]                                   # 2 dropped rows at the end
+    x = torch.randn(sum(counts), H)
+    up = torch.randn(sum(counts), H)
+    results = []
+    for fn in (lambda xx: experts(xx, torch.tensor(counts)),
+               lambda xx: _autograd_loop(xx, counts, experts.w1, experts.w3, experts.w2)):
+        experts.zero_grad()
+        xx = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = fn(xx)
+        (y[:15].float() * up[:15]).sum().backward(retain_graph=True)
+        grads = [xx.grad.clone()] + [p.grad.clone() for p in experts.parameters()]
+        (y[:15].float() * up[:15]).sum().backward()   # accumulates the same again
+        again = [xx.grad] + [p.grad for p in experts.parameters()]
+        for g, g2 in zip(grads, again):
+            torch.testing.assert_close(g2, 2 * g)
+        results.append((y[:15].float(), grads))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(results[0][0], results[1][0], **tol)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, **tol)
+    assert results[0][1][1][1].abs().sum() == 0  # expert 1 took no rows: zero gradient
+
+    k, rows = 3, torch.randn(4, H, requires_grad=True)
+    order = torch.randperm(4 * k)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(4 * k))
+    got = gather_rows(rows, order // k, inverse, k)
+    want = rows.detach().requires_grad_(True)
+    assert torch.equal(got, want[order // k])
+    g = torch.randn(4 * k, H)
+    (got * g).sum().backward()
+    (want[order // k] * g).sum().backward()
+    torch.testing.assert_close(rows.grad, want.grad)
+
+    y, w = torch.randn(6, k, H, requires_grad=True), torch.rand(6, k, requires_grad=True)
+    y2, w2 = y.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out, ref = _Combine.apply(y, w), torch.bmm(w2.unsqueeze(1), y2).squeeze(1)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(6, H)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    torch.testing.assert_close(y.grad, y2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from giantmodel.config.train import OptimConfig
 from giantmodel.core.optim import build_adamw
 from giantmodel.core.tensors import unique_params
-from giantmodel.models.common.moe import GroupedExperts, moe_layers
+from giantmodel.models.common.moe import GroupedExperts, gather_rows, moe_layers
 from giantmodel.parallel.collectives import all_to_all_counts, all_to_all_rows
 from giantmodel.parallel.zero import OwnZero
 
@@ -110,14 +110,16 @@ class _ExpertParallel:
         n_routed = sum(send_splits)
         rows = all_to_all_rows(x[:n_routed], recv_splits, send_splits, self.ep_group)
         order = _by_local_expert(received)
-        y = super().forward(rows[order], received.sum(dim=0), weights=weights)
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(
+            order.numel(), device=order.device))
+        y = super().forward(gather_rows(rows, order, back), received.sum(dim=0),
+                            weights=weights)
         if y.shape[0] == 0:
             # No rows here: keep the weights in the graph so every rank of edp
             # gets a (zero) gradient and their reductions match.
             y = y + sum(w.sum() for w in weights) * 0.0
-        back = torch.empty_like(order).scatter_(0, order, torch.arange(
-            order.numel(), device=order.device))
-        out = all_to_all_rows(y[back], send_splits, recv_splits, self.ep_group)
+        out = all_to_all_rows(gather_rows(y, back, order), send_splits, recv_splits,
+                              self.ep_group)
         if out.shape[0] < x.shape[0]:  # dropped rows: undefined, never read
             out = torch.cat([out, out.new_zeros(x.shape[0] - out.shape[0], *out.shape[1:])])
         return out
