@@ -2,9 +2,9 @@
 
 * Layouts: Qwen3 (qk-norm, head_dim != hidden / heads) at tp2 + sp, pp2,
   cp2 and ZeRO-3 at dp2, Qwen2's q/k/v biases at tp2, and Mistral's sliding
-  window (6 < train.seq_len 16) at cp2, tp2 and packed under ZeRO-1 each
-  train 5 steps exactly like one process (tests/layout_harness.py), in one
-  2-rank spawn.
+  window (6 < train.seq_len 16) at cp2, tp2 and packed under ZeRO-1, and
+  Gemma 2's soft-capped attention and logits at tp2 each train 5 steps
+  exactly like one process (tests/layout_harness.py), in one 2-rank spawn.
 * Packing: with a sliding window, the per-example loss of a packed row is
   the loss of each example alone.
 * LoRA: for each family, a LoRA run exported with ``convert --to peft`` and
@@ -23,6 +23,14 @@ import yaml
 
 from giantmodel.testing import run_ranks
 
+# Gemma 2 on the tiny Gemma 3 (layout_harness.TINY): no qk-norm, one RoPE
+# base, attention and final-logit soft-caps that bind on a tiny model (the
+# capped math kernel on every layer, the capped vocab-parallel head: the
+# losses move by up to 4e-4 without them). A final cap of 0.05 squeezes the
+# logits so far that the grad norm's fp32 noise between layouts reaches 2e-5.
+GEMMA2 = ["model.family=gemma2", "model.qk_norm=false", "model.rope_local_theta=null",
+          "model.attn_softcap=0.05", "model.final_softcap=1.0"]
+
 CASES = [
     ("qwen3", ["parallel.tp=2", "parallel.sp=true"]),
     ("qwen3", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
@@ -32,6 +40,7 @@ CASES = [
     ("mistral", ["parallel.cp=2"]),
     ("mistral", ["parallel.tp=2"]),
     ("mistral", ["parallel.dp=2", "parallel.zero=1", "data.source=sft", "data.pack=true"]),
+    ("gemma3", GEMMA2 + ["parallel.tp=2"]),
 ]
 
 
