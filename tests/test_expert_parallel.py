@@ -49,6 +49,9 @@ SLOW_4 = [
     ["parallel.ep=2", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1"],
     ["parallel.ep=2", "parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=gpipe",
      "recompute=full"],
+    # zero-bubble splits backward in two passes over the same graph
+    ["parallel.ep=2", "parallel.pp=2", "parallel.dp=2", "parallel.pp_virtual=2",
+     "parallel.pp_schedule=zbv"],
     ["parallel.ep=4", "parallel.zero=1"],
     ["parallel.ep=2", "parallel.tp=2"],
     ["parallel.ep=2", "parallel.tp=2", "parallel.zero=3"],
