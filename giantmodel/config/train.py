@@ -68,6 +68,15 @@ class TrainConfig:
     6.5% (the planner's measured peak-RSS error, -0.1% to +6.4%) exceeds it;
     configs the planner does not model (MoE, Stable Diffusion) are not
     checked. false skips the check."""
+    weight_cast: Literal["step", "use"] = "step"
+    """Under bf16/fp16, how the block linears get their compute-dtype
+    weights. step: cast once per optimizer step and kept (2 bytes per block
+    linear parameter held through the step, as Megatron's bf16 parameters
+    are; no per-micro-batch copy, no cast in the step's later micro-batches).
+    use: cast at every forward and backward and dropped after it (nothing
+    kept: for runs that cannot spare the 2 bytes, such as ZeRO-0/1 with full
+    recompute at the edge of memory). ZeRO-3's gathers are already in the
+    compute dtype: nothing to cast or keep either way."""
     tf32: bool = True
     """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores
     (fp32 range, 10-bit mantissa, several times faster); false keeps IEEE fp32."""

@@ -164,7 +164,7 @@ def _swap_norms(module: nn.Module) -> None:
     for fqn, m in list(module.named_modules()):
         if isinstance(m, RMSNorm):
             new = _apex_norm("RMSNorm", m.weight.shape, m.eps, m.weight.device)
-        elif type(m) is nn.LayerNorm and m.elementwise_affine and m.bias is not None:
+        elif isinstance(m, nn.LayerNorm) and m.elementwise_affine and m.bias is not None:
             new = _apex_norm("LayerNorm", m.normalized_shape, m.eps, m.weight.device)
         else:
             continue

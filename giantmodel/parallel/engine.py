@@ -32,7 +32,7 @@ from giantmodel.config.train import OffloadConfig, OptimConfig
 from giantmodel.core.hostmem import keep_freed_host_memory
 from giantmodel.core.precision import Precision
 from giantmodel.core.tensors import local_tensor, unique_params
-from giantmodel.models.common.fused import weights_changed
+from giantmodel.models.common.fused import keep_casts, weights_changed
 from giantmodel.parallel.accel import Accelerations
 from giantmodel.parallel.collectives import any_true, max_scalar
 from giantmodel.parallel.expert import ExpertDataParallel
@@ -100,7 +100,7 @@ class TrainEngine:
                  compile: bool, precision: str, bucket_mb: float,
                  recompute_layers: list[str] | None = None,
                  strategy: DataParallelStrategy | None = None,
-                 accel: Accelerations | None = None):
+                 accel: Accelerations | None = None, weight_cast: str = "step"):
         self.objective = objective
         self.dims = dims
         self.device = device
@@ -119,6 +119,7 @@ class TrainEngine:
             parallelize(module, objective, dims, pending or strategy, sp=parallel.sp,
                         recompute=recompute, recompute_layers=recompute_layers,
                         offload=offload, compile=compile, accel=accel)
+            keep_casts(module, weight_cast == "step")
             self.parts.append(module)
         if pending is not None:
             bucket_bytes = int(bucket_mb * 2**20)

@@ -84,9 +84,12 @@ _SAVED_COLLECTIVES = ("reduce_scatter",)
 
 
 def _collective_kind(op) -> str | None:
+    """The name of a functional collective (or its wait). In-place c10d
+    collectives (the sequence-parallel projections' all-gather) have no
+    wait_tensor: they count as ordinary ops, recomputed."""
     ns = getattr(op, "namespace", "")
     if ns not in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
-                  "c10d", "_dtensor"):
+                  "_dtensor"):
         return None
     return str(getattr(op, "__name__", op)).split(".")[0]
 

@@ -20,9 +20,10 @@ all-reduce is then started and the weight gradient runs under it.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from giantmodel.models.common.fused import cast_weight, compute_dtype, plain
 from giantmodel.parallel.collectives import (
@@ -91,6 +92,85 @@ class _ColumnProjection(torch.autograd.Function):
         return (gx.to(ctx.x_dtype), None, None, None, None, *gws, *gbs)
 
 
+def _partial_scattered(x: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
+    """x @ w^T summed over ``group`` and scattered along the sequence.
+
+    Under selective recompute (giantmodel.parallel.recompute) this is what a
+    block keeps of its row-parallel linears: the policy keeps mm outputs
+    and reduce-scatter results, and these partial sums are full-length, tp
+    times the scattered result. So the GEMM is a bmm, which the policy
+    re-runs in backward, and the reduce-scatter a functional collective,
+    whose result it keeps."""
+    lead = x.shape[:-1]
+    x3 = x.reshape(-1 if x.dim() < 3 else lead[0], lead[-1], x.shape[-1])
+    y = torch.bmm(x3, w.t().unsqueeze(0).expand(x3.shape[0], -1, -1))
+    rows = funcol.reduce_scatter_tensor(y.transpose(0, 1).contiguous(), "sum", 0, group)
+    rows = funcol.wait_tensor(rows)
+    return rows.transpose(0, 1).reshape(*lead[:-1], lead[-1] // group_size(group), -1)
+
+
+class _RowProjection(torch.autograd.Function):
+    """x (local columns) @ W_local^T, summed over the group: reduce-scattered
+    along the sequence under sp, all-reduced without. Saves x only (the
+    attention output or the MLP's product, already kept by their makers)."""
+
+    @staticmethod
+    def forward(ctx, x, owner, group, sp, weight):
+        dtype = compute_dtype(x)
+        xc = x.to(dtype)
+        w = cast_weight(owner, [weight], dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            if sp:
+                y = _partial_scattered(xc, w, group)
+            else:
+                y = F.linear(xc, w)
+                all_reduce_sum_(y, group)
+        ctx.save_for_backward(xc, weight)
+        ctx.owner, ctx.group, ctx.sp, ctx.dtype, ctx.x_dtype = owner, group, sp, dtype, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xc, weight = ctx.saved_tensors
+        gy = gy.to(ctx.dtype)
+        if ctx.sp:
+            gy = _gather_seq(gy, ctx.group)[0]
+        gx = gy @ cast_weight(ctx.owner, [weight], ctx.dtype)
+        gw = gy.reshape(-1, gy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])
+        return gx.to(ctx.x_dtype), None, None, None, gw.to(weight.dtype)
+
+
+class RowProjector:
+    """A row-parallel linear's projector (attention's wo, the MLP's w2): the
+    GEMM on the local weight shard with the weight cast once per step, its
+    partial sums reduce-scattered along the sequence (sp) or all-reduced.
+    Returns what the linear's RowwiseParallel style returns: the
+    sequence-sharded DTensor under sp, the whole local tensor without. A
+    linear that is not plain runs its own forward under that style."""
+
+    def __init__(self, mesh, sp: bool):
+        self.mesh, self.sp = mesh, sp
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, x: torch.Tensor, owner: nn.Module, linears) -> list[torch.Tensor]:
+        (m,) = linears
+        if not plain(linears):
+            return [m(x)]
+        local = x.to_local() if isinstance(x, DTensor) else x
+        y = _RowProjection.apply(local, owner, self.mesh.get_group(), self.sp,
+                                 m.weight.to_local())
+        if m.bias is not None:
+            # under sp each rank adds the bias to its own rows: its gradient
+            # is this rank's part of the sum
+            grad = [Partial()] if self.sp else [Replicate()]
+            y = y + m.bias.to_local(grad_placements=grad).to(y.dtype)
+        if self.sp:
+            return [DTensor.from_local(y, self.mesh, [Shard(1)], run_check=False)]
+        return [y]
+
+
 class SequenceParallelProjector:
     """A module's projector (see :func:`giantmodel.models.common.fused.project`)
     under tensor parallelism over ``mesh``: the fused column-parallel GEMM on
@@ -122,7 +202,9 @@ class SequenceParallelProjector:
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 
 
-def install_projector(module: nn.Module, mesh, sp: bool) -> None:
+def install_projector(module: nn.Module, out_linear: nn.Module, mesh, sp: bool) -> None:
     """Route ``module``'s projections (attention's q|k|v, the MLP's gate|up)
-    through :class:`SequenceParallelProjector`."""
+    through :class:`SequenceParallelProjector`, and its row-parallel output
+    linear (wo, w2) through :class:`RowProjector`."""
     module.projector = SequenceParallelProjector(mesh, sp)
+    out_linear.projector = RowProjector(mesh, sp)

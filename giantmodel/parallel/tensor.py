@@ -184,7 +184,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool,
                     for path, style in plan.items()}
         parallelize_module(block, tp_mesh, plan)
         for name in projected:
-            install_projector(getattr(block, name), tp_mesh, sp)
+            sub = getattr(block, name)
+            install_projector(sub, sub.wo if name == "attention" else sub.w2, tp_mesh, sp)
     if hasattr(model, "tie_weights"):
         # parallelize_module swapped the embedding Parameter for a DTensor; the
         # head shares it (both are sharded over vocabulary rows).

@@ -62,6 +62,9 @@ class Layout:
     keep_gathered_numel: int = 1_000_000_000
     """``parallel.keep_gathered_numel``: zero 3 keeps a block gathered from its forward to its
     backward when fewer parameters run in between (``parallel.fsdp.kept_gathered``)."""
+    weight_cast: str = "step"
+    """``train.weight_cast``: step keeps the block linears' compute-dtype
+    casts through the step (zero 0-2), use keeps none."""
     loss_impl: str = "plain"
     """``train.loss_impl`` as asked (tp > 1 and pipelines run plain whatever
     it says; :func:`giantmodel.planner.head.head_loss_impl` resolves it)."""
@@ -161,7 +164,7 @@ def job_fields(cfg) -> dict:
     """The Layout fields every layout of ``cfg``'s job shares, whatever the
     degrees: the optimizer kernel and, for the lora objective, the adapters."""
     out = {"optim_impl": cfg.optim.impl, "keep_gathered_numel": cfg.parallel.keep_gathered_numel,
-           "loss_impl": cfg.train.loss_impl}
+           "loss_impl": cfg.train.loss_impl, "weight_cast": cfg.train.weight_cast}
     if cfg.objective == "lora":
         out.update(lora_rank=cfg.lora.rank, lora_nf4=cfg.lora.quantize_base == "nf4",
                    lora_paths=tuple(block_targets(cfg.lora.targets, cfg.model.arch)))

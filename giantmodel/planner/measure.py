@@ -74,7 +74,9 @@ class SavedTensorCounter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
+        # a DTensor (sequence-parallel norms save them) owns no storage: its
+        # local tensor does
+        st = getattr(t, "_local_tensor", t).untyped_storage()
         if st.data_ptr() not in self._skip:
             self._seen[st.data_ptr()] = st.nbytes()
         return t

@@ -406,7 +406,9 @@ def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp
                             recomputed=(), bf16_stream=False):
     tokens = micro_batch * seq_len / cp
     terms = layer_terms(m, precision, lora, bf16_stream)
-    block_input = Term("block.input", (2 if bf16_stream else 4) * m.hidden_size, "seq")
+    # the residual stream is in the compute dtype (a bf16 frozen base's too)
+    block_input = Term("block.input", (2 if bf16_stream else DTYPE_BYTES[precision])
+                       * m.hidden_size, "seq")
     if mode == "full":  # the checkpoint keeps the block input (the residual)
         return {"block.input": term_bytes(block_input, tokens, tp, sp, cp)}
     if mode == "selective":
@@ -414,9 +416,6 @@ def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp
         terms = [block_input] + [t for t in selective_terms(m, precision, tp, sp, cp)
                                  if t.name not in dropped and t.name != "block.input"]
     out = {t.name: term_bytes(t, tokens, tp, sp, cp) for t in terms}
-    if mode == "none" and bf16_stream and m.arch == "llama":
-        # each RMSNorm's fp32 copy of its bf16 weight, kept by its product
-        out["norm_weights.fp32"] = 2 * 4.0 * m.hidden_size
     if cp > 1 and mode == "none":
         out.update(cp_none_terms(m, precision, micro_batch, seq_len, tp, cp, lora))
     return out
@@ -439,7 +438,8 @@ def edge_activation_bytes(m, precision: str, micro_batch: int, seq_len: int, tp:
             out["rope_table"] = seq_len / cp * m.dim_per_head * 4
     if last:
         seq_div = tp if sp else 1
-        norm = (4 if frozen else 8) * h if m.arch == "llama" else 4 * h + 8
+        # the norm keeps the compute-dtype residual and an fp32 rstd (and mean)
+        norm = DTYPE_BYTES[precision] * h + (4 if m.arch == "llama" else 8)
         out["final_norm"] = tokens * norm / seq_div
         out.update(head_edge_bytes(m, precision, tokens, tp, frozen, loss_impl))
     return out
@@ -697,9 +697,11 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         comp["working_weights"] = _lora_weight_copies(table, layout, modes.get("none", 0),
                                                       head_copy, style, hw) * c
     elif c < 4:
-        lin = table.head_linear_numel(layout.tp) if head_copy else 0
-        lin += modes.get("none", 0) * table.layer_linear_numel(layout.tp, layout.ep)
-        comp["working_weights"] = lin * c
+        head = table.head_linear_numel(layout.tp) if head_copy else 0
+        comp["working_weights"] = head * c + sum(
+            k * layer_weight_copies(m, layout.precision, layout.tp, mode, layout.ep,
+                                    layout.weight_cast == "step")
+            for mode, k in modes.items())
     else:
         comp["working_weights"] = 0
     if layout.zero >= 2:
@@ -755,6 +757,38 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                                              + comp["working_weights"] + comp["comm_buffers"])
     comp["reserved"] = hw.reserved_bytes if hw is not None else 0.0
     return RankMemory(pp_rank, comp, per_layer, n_layers, inflight)
+
+
+def layer_weight_copies(m, precision: str, tp: int, mode: str, ep: int = 1,
+                        keep_casts: bool = True) -> float:
+    """Bytes of compute-dtype weight copies one block holds through a step
+    (zero 0/1, no LoRA): the fused path's casts, kept once per step whatever
+    the recompute mode (``keep_casts``, train.weight_cast=step; none with
+    use), and autocast's copies of the other linears, kept until backward
+    by a block that does not recompute."""
+    c = DTYPE_BYTES[precision]
+    if c == 4:
+        return 0.0
+    table = param_table(m)
+    fused = cast_weight_numel(m, table, tp)
+    rest = table.layer_linear_numel(tp, ep) - fused if mode == "none" else 0
+    return float(c * ((fused if keep_casts else 0) + rest))
+
+
+def cast_weight_numel(m, table: ParamTable, tp: int) -> int:
+    """Elements, per block on a rank, of the linear weights whose
+    compute-dtype casts the fused path keeps from one optimizer step to the
+    next (giantmodel.models.common.fused.cast_weight): attention's q, k, v
+    and o, and a gated MLP's gate, up and down, with or without tensor
+    parallelism (giantmodel.parallel.sp_linear). MLA, routed experts and
+    GPT's MLP run their own linears: autocast casts those per call."""
+    paths = set()
+    if m.mla is None:
+        paths |= {"attention.wq", "attention.wk", "attention.wv", "attention.wo"}
+    if m.arch == "llama" and m.moe is None:
+        paths |= {"feed_forward.w1", "feed_forward.w3", "feed_forward.w2"}
+    return sum(math.prod(p.local_shape(tp)) for p in table.layer
+               if p.name.endswith(".weight") and p.name.rpartition(".")[0] in paths)
 
 
 def _lora_weight_copies(table: ParamTable, layout: Layout, none_blocks: int, last: bool,

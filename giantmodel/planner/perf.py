@@ -85,7 +85,7 @@ from giantmodel.planner.moe import (
     mla_matmul_shapes,
     shared_matmul_shapes,
 )
-from giantmodel.planner.terms import family_extra_bytes
+from giantmodel.planner.terms import family_extra_bytes, sp_recomputed_matmuls
 
 
 @dataclass
@@ -277,8 +277,9 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
                                           layout.seq_len, t, layout.sp, cp).values())
         rec, rec_comm = mem_time(hw, 2.0 * max(0.0, none - kept)) + regather, regather
         shapes = _block_matmul_shapes(m, t)
+        rerun = set(opts.selective_matmuls) | set(sp_recomputed_matmuls(m, t, layout.sp))
         rec += sum(gemm_time(hw, prec, tokens, *shapes[name])
-                   for name in opts.selective_matmuls if name in shapes)
+                   for name in sorted(rerun) if name in shapes)
     else:
         rec, rec_comm = 0.0, 0.0
     return LayerTime(fwd, bwd, rec, comm_f + comm_b + rec_comm)
@@ -309,7 +310,6 @@ def _adapter_gemm_time(m, layout: Layout, hw, tokens: float) -> float:
 # gradients). Every DTensor parameter's gradient costs one op per micro-batch
 # (detached when created, added to after).
 LINEAR_DTENSOR_OPS = 12
-BIAS_DTENSOR_OPS = 10
 NORM_DTENSOR_OPS = {"llama": 24, "gpt": 4}
 
 
@@ -320,21 +320,35 @@ def _block_tp_tensors(m) -> tuple[int, int, int]:
     return 4, 8, 2
 
 
+# DTensor ops per block, forward + backward, counted on the project's plan
+# (tests/test_planner_ranks.py). LLaMA's linears run on local shards
+# (giantmodel.parallel.sp_linear): only its sequence-parallel norms and
+# residual adds dispatch on DTensors. GPT's MLP keeps the colwise/rowwise
+# plan: its two linears and their biases dispatch.
+_SP_NORM_OPS = {"llama": (36, 10), "gpt": (54, 10)}       # (ops, extra under autocast)
+_SP_RECOMPUTE_OPS = {"llama": (21, 4), "gpt": (43, 8)}
+_MLP_PLAN_OPS = (32, 8)
+_MLP_RECOMPUTE_OPS = (14, 4)
+
+
 def block_dtensor_ops(m, tp: int, sp: bool, precision: str, mode: str) -> float:
     """DTensor ops of one block and micro-batch, forward + backward (and the
     forward re-run under recompute), without the per-parameter gradient op
     (:func:`dtensor_params`); 0 at tp 1."""
     if tp <= 1:
         return 0.0
-    linears, params, sums = _block_tp_tensors(m)
-    autocast = precision != "fp32"
-    ops = linears * LINEAR_DTENSOR_OPS + (params - linears) * BIAS_DTENSOR_OPS + sums
-    if autocast:
-        ops += 3 * params + sums
-    if mode in ("full", "selective"):
-        ops += 4 * linears + (6 if autocast else 4) * params
+    arch = "llama" if m.arch == "llama" else "gpt"
+    cast = int(precision != "fp32")
+    recompute = mode in ("full", "selective")
+    ops = 0
+    if arch == "gpt":
+        ops += _MLP_PLAN_OPS[0] + cast * _MLP_PLAN_OPS[1]
+        if recompute and not sp:
+            ops += _MLP_RECOMPUTE_OPS[0] + cast * _MLP_RECOMPUTE_OPS[1]
     if sp:
-        ops += 2 * NORM_DTENSOR_OPS.get(m.arch, NORM_DTENSOR_OPS["llama"]) + 4
+        ops += _SP_NORM_OPS[arch][0] + cast * _SP_NORM_OPS[arch][1]
+        if recompute:
+            ops += _SP_RECOMPUTE_OPS[arch][0] + cast * _SP_RECOMPUTE_OPS[arch][1]
     return float(ops)
 
 

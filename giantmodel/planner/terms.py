@@ -127,6 +127,16 @@ def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
     return out
 
 
+def sp_recomputed_matmuls(m, tp: int, sp: bool) -> tuple[str, ...]:
+    """The row-parallel matmuls whose outputs the selective policy re-runs
+    under sequence parallelism (giantmodel.parallel.sp_linear: their
+    full-length partial sums are not kept, their reduce-scatter results
+    are): attention's wo, and LLaMA's w2 (GPT's MLP keeps its plan)."""
+    if tp <= 1 or not sp or m.mla is not None:
+        return ()
+    return ("wo", "w2") if m.arch == "llama" and m.moe is None else ("wo",)
+
+
 def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]:
     """What the selective policy keeps per block (giantmodel.parallel.recompute):
     the block input (the checkpoint's), every matmul output (under tp the
@@ -164,7 +174,9 @@ def selective_terms(m, precision: str, tp: int, sp: bool, cp: int) -> list[Term]
     if tp > 1 and sp:   # reduce-scatter results of wo and w2
         terms += [Term("attention.wo_reduced", c * h, "seq"),
                   Term("feed_forward.w2_reduced", c * h, "seq")]
-    return terms
+    rerun = {f"{'attention' if n == 'wo' else 'feed_forward'}.{n}_out"
+             for n in sp_recomputed_matmuls(m, tp, sp)}
+    return [t for t in terms if t.name not in rerun]
 
 
 def term_bytes(t: Term, tokens: float, tp: int, sp: bool, cp: int) -> float:

@@ -96,7 +96,7 @@ def build_engine(cfg: JobConfig, objective: BaseObjective, dims: ParallelDims, d
                        recompute_layers=cfg.recompute_layers, offload=cfg.offload,
                        compile=cfg.train.compile, precision=cfg.precision,
                        bucket_mb=bucket_mb if bucket_mb is not None else cfg.parallel.bucket_mb,
-                       accel=accel)
+                       accel=accel, weight_cast=cfg.train.weight_cast)
 
 
 class Trainer:

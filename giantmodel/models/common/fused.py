@@ -73,6 +73,9 @@ def cast_weight(owner: nn.Module, weights: list[torch.Tensor], dtype: torch.dtyp
     when no cast is needed."""
     if len(weights) == 1 and weights[0].dtype == dtype:
         return weights[0]
+    if torch.compiler.is_compiling():   # a compiled graph casts in place of the cache
+        return torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 \
+            else weights[0].to(dtype)
     key = (_generation, dtype) + tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
     cached = owner.__dict__.get(slot)
     if cached is not None and cached[0] == key:
@@ -80,9 +83,18 @@ def cast_weight(owner: nn.Module, weights: list[torch.Tensor], dtype: torch.dtyp
     with torch.no_grad():
         out = torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 \
             else weights[0].to(dtype)
-    if any(w.dtype != dtype for w in weights):
+    if any(w.dtype != dtype for w in weights) and owner.__dict__.get("keep_casts", True):
         owner.__dict__[slot] = (key, out)
     return out
+
+
+def keep_casts(model: nn.Module, keep: bool) -> None:
+    """Whether ``model``'s modules keep their weights' casts through a step
+    (``train.weight_cast``: step) or cast at each use (use)."""
+    for m in model.modules():
+        m.__dict__["keep_casts"] = keep
+        if not keep:
+            m.__dict__.pop("_compute_weight", None)
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -181,6 +193,46 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` in fp32, returned in x's dtype."""
     return _RMSNorm.apply(x, weight, eps)
+
+
+class _LayerNorm(torch.autograd.Function):
+    """LayerNorm computed in fp32; saves x (its own dtype), mean and rstd
+    (fp32): autocast would run it on an fp32 copy of a bf16 input on CUDA
+    and keep that copy, and leave it in bf16 on the CPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        out = (xf - mean) * rstd * weight.float()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        n = (x.float() - mean) * rstd
+        g = gy.float()
+        lead = tuple(range(n.dim() - 1))
+        gw = (g * n).sum(dim=lead).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = g.sum(dim=lead).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gn = g * weight.float()
+        gx = rstd * (gn - gn.mean(-1, keepdim=True) - n * (gn * n).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, gb, None
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` over the last dimension, in fp32 whatever the input's
+    dtype, returning the input's dtype and keeping only x, mean and rstd."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.normalized_shape) != 1 or self.weight is None:
+            return super().forward(x)
+        return _LayerNorm.apply(x, self.weight, self.bias, self.eps)
 
 
 # --------------------------------------------------------------- activations

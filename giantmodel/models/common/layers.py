@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from giantmodel.config.model import ModelConfig, RopeScaling
-from giantmodel.models.common.fused import gated, local_project, project, rms_norm
+from giantmodel.models.common.fused import gated, project, rms_norm
 from giantmodel.models.common.masks import (
     masked_attention,
     sliding_attention,
@@ -290,7 +290,7 @@ class Attention(nn.Module):
             # The mask goes only where there is one, so a replaced core
             # (context parallelism) keeps its three-argument signature.
             out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
-        out = local_project(out.transpose(1, 2).reshape(B, T, -1), self.wo, (self.wo,))[0]
+        out = project(self.wo, out.transpose(1, 2).reshape(B, T, -1), (self.wo,))[0]
         return self.out_norm(out) if hasattr(self, "out_norm") else out
 
 
@@ -332,7 +332,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self, x, (self.w1, self.w3))
-        out = local_project(gated(self.act, gate, up), self.w2, (self.w2,))[0]
+        out = project(self.w2, gated(self.act, gate, up), (self.w2,))[0]
         return self.out_norm(out) if hasattr(self, "out_norm") else out
 
 

@@ -136,10 +136,6 @@ class Transformer(nn.Module):
                 # sqrt(hidden) rounded to the embedding's dtype first, as
                 # Gemma's own code does (55.5, not 55.43, in bf16).
                 h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype).item()
-            # The residual stream runs in the compute dtype (Megatron's
-            # default): norms then save bf16 inputs and linears read them
-            # without casts. Later pipeline stages receive it so.
-            h = h.to(_compute_dtype(h))
         else:
             h = tokens
         T = h.shape[1]
@@ -148,7 +144,10 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=h.device)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
-        h = self.embed_dropout(h)
+        # The residual stream runs in the compute dtype (Megatron's
+        # default): norms then save bf16 inputs and linears read them
+        # without casts. Later pipeline stages receive it so.
+        h = self.embed_dropout(h.to(_compute_dtype(h)))
         rope, rope_local = self._rope_tables(positions)
         mask = None
         if document_ids is not None:

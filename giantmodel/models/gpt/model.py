@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from giantmodel.config.model import ModelConfig
+from giantmodel.models.common.fused import LayerNorm
 from giantmodel.models.common.layers import Attention, GeluMLP
 from giantmodel.models.common.transformer import Transformer
 
@@ -14,11 +15,11 @@ class GPTBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h = cfg.hidden_size
-        self.attention_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
+        self.attention_norm = LayerNorm(h, eps=cfg.norm_eps)
         self.attention = Attention(h, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
                                    bias=True, dropout=cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.ffn_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
+        self.ffn_norm = LayerNorm(h, eps=cfg.norm_eps)
         self.feed_forward = GeluMLP(h, cfg.ffn_hidden_size, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
@@ -30,4 +31,4 @@ class GPTBlock(nn.Module):
 
 class GPT(Transformer):
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, GPTBlock, nn.LayerNorm, learned_positions=True)
+        super().__init__(cfg, GPTBlock, LayerNorm, learned_positions=True)
