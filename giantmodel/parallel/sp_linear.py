@@ -92,6 +92,11 @@ class _ColumnProjection(torch.autograd.Function):
         return (gx.to(ctx.x_dtype), None, None, None, None, *gws, *gbs)
 
 
+# torch 2.13 names it reduce_scatter_single; 2.11 reduce_scatter_tensor
+_funcol_reduce_scatter = (getattr(funcol, "reduce_scatter_single", None)
+                          or funcol.reduce_scatter_tensor)
+
+
 def _partial_scattered(x: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
     """x @ w^T summed over ``group`` and scattered along the sequence.
 
@@ -104,7 +109,7 @@ def _partial_scattered(x: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
     lead = x.shape[:-1]
     x3 = x.reshape(-1 if x.dim() < 3 else lead[0], lead[-1], x.shape[-1])
     y = torch.bmm(x3, w.t().unsqueeze(0).expand(x3.shape[0], -1, -1))
-    rows = funcol.reduce_scatter_tensor(y.transpose(0, 1).contiguous(), "sum", 0, group)
+    rows = _funcol_reduce_scatter(y.transpose(0, 1).contiguous(), "sum", 0, group)
     rows = funcol.wait_tensor(rows)
     return rows.transpose(0, 1).reshape(*lead[:-1], lead[-1] // group_size(group), -1)
 

@@ -118,6 +118,11 @@ def format_estimate(d: dict) -> str:
         lines.append(f"  {k:<28} {_gb(v):>8} GB")
     lines.append(f"  per layer, per micro-batch: {_gb(sum(mem['per_layer'].values()))} GB "
                  f"x {mem['layers_on_rank']} layers x {mem['microbatches_in_flight']:.2f} in flight")
+    if not mem["fits"] and mem["per_layer"]:
+        # what a run that does not fit would have to shed first
+        top = sorted(mem["per_layer"].items(), key=lambda kv: -kv[1])[:4]
+        lines.append("    largest saved tensors per layer: "
+                     + ", ".join(f"{name} {v / 2**20:,.0f} MiB" for name, v in top))
     lines.append(f"step {t['step_s']:.3f} s | {th['tokens_per_sec']:,.0f} tokens/s "
                  f"({th['tokens_per_sec_per_gpu']:,.0f}/GPU) | {th['tflops_per_gpu']:.1f} TFLOP/s/GPU"
                  f" | MFU {th['mfu'] * 100:.1f}% | comm {th['comm_share'] * 100:.1f}% | "
