@@ -1,7 +1,9 @@
 """The planner's LoRA memory against LoRA models the objective really builds
 (single process, tiny models): the frozen base's bytes (bf16 under bf16
 training, NF4 base linears with QLoRA), and what a block keeps for backward
-once the base is bf16 (no autocast copies of it, a bf16 residual stream)."""
+with a frozen base: bf16 (no copies of it) or fp32 under fp16 (cast once per
+step where a fused group reads it, per call by autocast where an adapted
+linear does)."""
 
 from __future__ import annotations
 
@@ -83,25 +85,41 @@ def test_frozen_base_bytes_match_the_built_model(arch, precision, targets, kw):
     assert params == got + 4 * n_adapters
 
 
+def _autocast(precision: str):
+    if precision == "fp16":
+        return torch.autocast("cpu", dtype=torch.float16)
+    return autocast(precision)
+
+
 def _forward_bytes(cfg: JobConfig) -> int:
     model = _built(cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     live = LiveStorageCounter()
-    with live, autocast(cfg.precision):
+    with live, _autocast(cfg.precision):
         loss, _ = cross_entropy_sum(model(ids), ids)
     nbytes = live.live_bytes()
     loss.backward()
     return nbytes
 
 
-@pytest.mark.parametrize("targets", [["all_linear"], ["q_proj", "v_proj"]])
-def test_block_under_a_bf16_base_keeps_what_the_planner_says(targets):
-    """Per block, without recompute: the bf16 RMSNorm output read by the
-    linears without casts, adapters' autocast copies and no copies of the
-    base (measured as the difference between 3 and 1 layers)."""
+BLOCK_CASES = [("llama", "bf16", ["all_linear"]), ("llama", "bf16", ["q_proj", "v_proj"]),
+               ("llama", "bf16", ["w2"]), ("gpt", "bf16", ["q_proj", "w1"]),
+               ("llama", "fp16", ["q_proj", "v_proj"])]
+
+
+@pytest.mark.parametrize("arch, precision, targets", BLOCK_CASES)
+def test_block_under_a_frozen_base_keeps_what_the_planner_says(arch, precision, targets):
+    """Per block, without recompute (measured as the difference between 3
+    and 1 layers): the norms' compute-dtype outputs read without casts; a
+    fused group with no adapter (q|k|v, gate|up, w2 alone) keeping its
+    input though its weights are frozen, a GPT MLP linear without one
+    keeping none; the adapters' ``A x`` and their autocast weight copies.
+    Under bf16 the base is bf16 (no copies of it); under fp16 it stays
+    fp32: the fused groups keep their casts for the step, the adapted
+    linears' bases are cast by autocast at each call and kept to backward."""
     per = {}
     for layers in (3, 1):
-        cfg = _job("llama", "bf16", targets, layers=layers)
+        cfg = _job(arch, precision, targets, layers=layers)
         c = memory_report(cfg.model, resolve_layout(cfg, Cluster(1, 1)), None).ranks[0].components
         per[layers] = (_forward_bytes(cfg), c["activations"] + c["working_weights"])
     measured = (per[3][0] - per[1][0]) / 2

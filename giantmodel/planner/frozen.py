@@ -13,9 +13,19 @@ tensor in the frozen dtype; other weights and all biases stay float.
 
 Consequences beyond the parameters' bytes, which the memory model takes from
 here: a frozen linear already in the compute dtype (or NF4: torchao's linear
-saves the 4-bit weight and dequantises again in backward) needs no autocast
-copy kept for backward, and a bf16 token embedding makes the residual stream
-bf16 (see :func:`giantmodel.planner.memory.layer_terms`).
+saves the 4-bit weight and dequantises again in backward) needs no cast,
+and a bf16 token embedding makes the residual stream bf16 (see
+:func:`giantmodel.planner.memory.layer_terms`).
+
+Which linears run which forward (:func:`fused_groups`): the adapted ones
+are :class:`~giantmodel.models.lora.LoRALinear` modules with a forward of
+their own, and so is every linear sharing a fused group with one (q|k|v,
+gate|up). A group none of whose linears is adapted is plain ``nn.Linear``
+and runs the fused GEMM (:mod:`giantmodel.models.common.fused`, the
+projectors of :mod:`giantmodel.parallel.sp_linear` under tp): it saves its
+input although no weight of the group needs a gradient, and keeps its
+weights' compute-dtype cast on the module for the whole step
+(``train.weight_cast=step``) instead of autocast's per-call copy.
 """
 
 from __future__ import annotations
@@ -80,22 +90,49 @@ def frozen_param_bytes(params, in_block: list[bool], layout, param_bytes: int,
     return total
 
 
-def base_copy_numel(layer_params, layout, sharded: bool) -> int:
-    """Elements of one block's frozen linears that autocast casts per forward
-    and autograd keeps until backward (zero 0/1, ``bf16``/``fp16``): those
-    neither already bf16 nor NF4."""
+# The block linears that read one input, run as one GEMM when all are plain
+# (giantmodel.models.common.layers: Attention and SwiGLU call fused.project).
+_ATTENTION_GROUPS = (("attention.wq", "attention.wk", "attention.wv"), ("attention.wo",))
+_SWIGLU_GROUPS = (("feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
+
+
+def fused_groups(m, paths: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The groups of block linears that run the fused path under LoRA with
+    adapters on ``paths``: attention's (not MLA's) and a dense gated MLP's
+    (not GPT's GeluMLP, whose linears run alone), none of whose linears is
+    adapted."""
+    groups = list(_ATTENTION_GROUPS) if m.mla is None else []
+    if m.arch == "llama" and m.moe is None:
+        groups += _SWIGLU_GROUPS
+    return [g for g in groups if not any(p in paths for p in g)]
+
+
+def base_copy_numel(m, layer_params, layout, sharded: bool) -> tuple[int, int]:
+    """Elements of one block's frozen linear weights that are cast to the
+    compute dtype (``bf16``/``fp16``, zero 0/1): those neither already in
+    it nor NF4. Returned as (per forward, per step): a linear running its
+    own forward is cast by autocast at each call (a frozen weight is not in
+    autocast's cache) and autograd keeps that copy until backward, in a
+    block that does not recompute; a linear of a fused group
+    (:func:`fused_groups`) keeps its cast on the module through the step
+    whatever the block recomputes (none with ``train.weight_cast=use``)."""
     cast = casts_base(layout, sharded)
-    n = 0
+    fused = {p for g in fused_groups(m, layout.lora_paths) for p in g}
+    per_use = per_step = 0
     for p in layer_params:
         parts = p.name.split(".")
-        if len(parts) < 2 or parts[-2] not in _BLOCK_LINEARS:
+        if len(parts) < 2 or parts[-2] not in _BLOCK_LINEARS or parts[-1] != "weight":
             continue
         if nf4_weight(p.name, p.shape, layout):
             continue
         if cast and not (layout.tp > 1 and tp_dtensor(p.name, layout.sp)):
             continue
-        n += math.prod(p.local_shape(layout.tp))
-    return n
+        n = math.prod(p.local_shape(layout.tp))
+        if p.name.rpartition(".")[0] in fused:
+            per_step += n if layout.weight_cast == "step" else 0
+        else:
+            per_use += n
+    return per_use, per_step
 
 
 def bf16_residual(layout, sharded: bool) -> bool:

@@ -694,8 +694,8 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     elif layout.zero == 2:
         comp["working_weights"] = local_full * c
     elif c < 4 and layout.lora_rank:
-        comp["working_weights"] = _lora_weight_copies(table, layout, modes.get("none", 0),
-                                                      head_copy, style, hw) * c
+        comp["working_weights"] = _lora_weight_copies(m, table, layout, modes.get("none", 0),
+                                                      n_layers, head_copy, style, hw) * c
     elif c < 4:
         head = table.head_linear_numel(layout.tp) if head_copy else 0
         comp["working_weights"] = head * c + sum(
@@ -791,21 +791,22 @@ def cast_weight_numel(m, table: ParamTable, tp: int) -> int:
                if p.name.endswith(".weight") and p.name.rpartition(".")[0] in paths)
 
 
-def _lora_weight_copies(table: ParamTable, layout: Layout, none_blocks: int, last: bool,
-                        style: str, hw) -> int:
-    """Elements autocast casts and autograd keeps until backward in a LoRA
-    model (zero 0/1): every adapter weight (trainable fp32 leaves: cast once
-    per forward and cached) of the blocks that do not recompute, and the
-    frozen linears not already in the compute dtype
-    (:func:`giantmodel.planner.frozen.base_copy_numel`), the head among them
-    where it is a DTensor or was not cast."""
+def _lora_weight_copies(m, table: ParamTable, layout: Layout, none_blocks: int,
+                        n_blocks: int, last: bool, style: str, hw) -> int:
+    """Compute-dtype weight copies a LoRA model (zero 0/1) holds through
+    backward, in elements: every adapter weight (trainable fp32 leaves:
+    autocast casts each once per forward and caches it) and the frozen
+    linears autocast casts at each call, of the blocks that do not
+    recompute; the casts the fused path keeps for the step, of every block;
+    the head where it is a DTensor or was not cast
+    (:func:`giantmodel.planner.frozen.base_copy_numel`)."""
     sharded = _lora_sharded(layout, style, layout_strategy(table, layout, hw))
-    per_block = (sum(math.prod(s) for s in lora_layer_shapes(table, layout))
-                 + base_copy_numel(table.layer, layout, sharded))
+    per_use, per_step = base_copy_numel(m, table.layer, layout, sharded)
+    adapters = sum(math.prod(s) for s in lora_layer_shapes(table, layout))
     head = 0
     if last and (layout.tp > 1 or not bf16_residual(layout, sharded)):
         head = table.head_linear_numel(layout.tp)
-    return none_blocks * per_block + head
+    return none_blocks * (adapters + per_use) + n_blocks * per_step + head
 
 
 def optimizer_step_bytes(layout: Layout, hw, comp: dict[str, float], style: str) -> float:
