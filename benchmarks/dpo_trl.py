@@ -19,7 +19,14 @@ process; batches are taken in file order on both (TRL's sampler set to
 sequential), with ``max_length`` = giantmodel's ``train.seq_len + 1`` and
 ``keep_start`` truncation on both.
 
-    python benchmarks/dpo_trl.py --steps 12 --json out.json
+Both sides run fp32 without activation recompute (TRL's ``bf16`` and
+``gradient_checkpointing`` defaults switched off), each side checked from the
+settings it reads back, and said in the output. Speed is taken over
+``--reps`` alternating turns per mode (each side a fresh process per turn, the
+order reversed every other turn, so both see the same host load): the median
+of the per-turn ratios and their spread.
+
+    python benchmarks/dpo_trl.py --steps 10 --batch 8 --reps 7 --json out.json
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ def giantmodel_side(spec: dict) -> dict:
         "objective=dpo", "data.source=preference", f"data.paths=[{spec['data']}]",
         "data.valid_fraction=0", f"checkpoint.init_from={spec['model']}",
         f"train.seq_len={spec['max_length'] - 1}", f"train.global_batch_size={B}",
-        f"train.micro_batch_size={B}", "train.device=cpu", "precision=fp32",
+        f"train.micro_batch_size={B}", "train.device=cpu", "precision=fp32", "recompute=none",
         f"optim.lr={spec['lr']}", "optim.warmup_steps=0", "optim.schedule=constant",
         "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8",
         "optim.grad_clip=1.0", f"dpo.loss_type={spec['loss_type']}", f"dpo.beta={spec['beta']}",
@@ -116,7 +123,10 @@ def giantmodel_side(spec: dict) -> dict:
         times.append(time.perf_counter() - t0)
         tokens.append(int((batch["document_ids"] >= 0).sum()))
         records.append({"loss": loss, **metrics})
-    return {"records": records, "times": times, "tokens": tokens,
+    settings = {"precision": cfg.precision, "recompute": cfg.recompute,
+                "recompute_layers": cfg.recompute_layers,
+                "param_dtypes": sorted({str(p.dtype) for m in engine.parts for p in m.parameters()})}
+    return {"records": records, "times": times, "tokens": tokens, "settings": settings,
             "peak_rss_mb": _peak_rss_mb()}
 
 
@@ -176,7 +186,15 @@ def trl_side(spec: dict) -> dict:
         trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tok,
                             peft_config=peft_config, callbacks=[Clock()])
         trainer.train()
-    return {"records": records, "times": times, "peak_rss_mb": _peak_rss_mb()}
+        # What actually ran, read back from the trainer rather than from our arguments.
+        settings = {"bf16": args.bf16, "fp16": args.fp16,
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "model_gradient_checkpointing": bool(
+                        getattr(trainer.model, "is_gradient_checkpointing", False)),
+                    "mixed_precision": str(trainer.accelerator.mixed_precision),
+                    "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()})}
+    return {"records": records, "times": times, "settings": settings,
+            "peak_rss_mb": _peak_rss_mb()}
 
 
 # --------------------------------------------------------------------------- driver
@@ -216,6 +234,62 @@ def tokens_per_s(result: dict, tokens: list[int]) -> float:
     return sum(tokens[1:]) / max(sum(result["times"][1:]), 1e-9)
 
 
+def check_fp32_no_recompute(gm: dict, trl: dict) -> str:
+    """One line saying both sides ran fp32 without recompute, from the
+    settings each side read back; raises if either did not."""
+    g, t = gm["settings"], trl["settings"]
+    bad = []
+    if g["precision"] != "fp32" or g["recompute"] != "none" or g["recompute_layers"]:
+        bad.append(f"giantmodel {g}")
+    if (t["bf16"] or t["fp16"] or t["gradient_checkpointing"] or t["model_gradient_checkpointing"]
+            or t["mixed_precision"] != "no"):
+        bad.append(f"TRL {t}")
+    if g["param_dtypes"] != ["torch.float32"] or t["param_dtypes"] != ["torch.float32"]:
+        bad.append(f"parameters giantmodel {g['param_dtypes']}, TRL {t['param_dtypes']}")
+    if bad:
+        raise RuntimeError("not fp32 without recompute: " + "; ".join(bad))
+    return ("both sides fp32 without recompute: giantmodel precision=fp32 recompute=none; TRL "
+            "bf16=False fp16=False gradient_checkpointing=False (accelerate mixed_precision=no); "
+            "every parameter float32")
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def run_mode(spec: dict, py: Path, reps: int) -> dict:
+    """``reps`` alternating turns (giantmodel then TRL, reversed every other
+    turn), each side a fresh process; per-turn ratios and their spread."""
+    from benchmarks.moe_reps import alternating_reps
+
+    runs: dict[str, list[dict]] = {"giantmodel": [], "trl": []}
+    loads: list[float] = []
+
+    def one(side: str) -> float:
+        loads.append(os.getloadavg()[0])
+        r = run_side(side, spec, sys.executable if side == "giantmodel" else py)
+        runs[side].append(r)
+        return sum(r["times"][1:])
+
+    alternating_reps(["giantmodel", "trl"], reps, 0, one)
+    gms, trls = runs["giantmodel"], runs["trl"]
+    tokens = gms[0]["tokens"]
+    g_tps = [tokens_per_s(r, tokens) for r in gms]
+    t_tps = [tokens_per_s(r, tokens) for r in trls]
+    ratios = [g / t for g, t in zip(g_tps, t_tps)]
+    return {"settings": check_fp32_no_recompute(gms[0], trls[0]),
+            "giantmodel_tokens_per_s": g_tps, "trl_tokens_per_s": t_tps, "ratios": ratios,
+            "ratio_median": _median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "giantmodel_peak_rss_mb": [r["peak_rss_mb"] for r in gms],
+            "trl_peak_rss_mb": [r["peak_rss_mb"] for r in trls],
+            "loss0_abs_diff": abs(gms[0]["records"][0]["loss"] - trls[0]["records"][0]["loss"]),
+            "load_avg_1min": [min(loads), max(loads)], "tokens_per_step": tokens,
+            "giantmodel_step_times": [r["times"] for r in gms],
+            "trl_step_times": [r["times"] for r in trls]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--side", choices=("giantmodel", "trl"))
@@ -224,6 +298,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch", type=int, default=8, help="pairs per step")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="alternating turns per mode, each side a fresh process per turn")
+    ap.add_argument("--modes", default="lora,full")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     if a.side:
@@ -231,25 +308,25 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(fn(json.loads(Path(a.spec).read_text()))))
         return
     py = trl_python()
-    rows, out = [], {"machine": platform.processor() or platform.machine(),
-                     "cpus": os.cpu_count(), "threads": a.threads, "steps": a.steps,
-                     "batch_pairs": a.batch, "cases": {}}
+    out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "threads": a.threads, "steps": a.steps, "batch_pairs": a.batch, "reps": a.reps,
+           "cases": {}}
     with tempfile.TemporaryDirectory() as d:
         model, data = make_inputs(Path(d), a.steps * a.batch)
-        for mode in ("lora", "full"):
+        for mode in a.modes.split(","):
             spec = spec_for(model, data, lora=mode == "lora", steps=a.steps, batch=a.batch,
                             threads=a.threads)
-            gm = run_side("giantmodel", spec)
-            trl = run_side("trl", spec, py)
-            g_tps, t_tps = tokens_per_s(gm, gm["tokens"]), tokens_per_s(trl, gm["tokens"])
-            out["cases"][mode] = {"giantmodel": gm, "trl": trl, "giantmodel_tokens_per_s": g_tps,
-                                  "trl_tokens_per_s": t_tps}
-            rows.append((mode, g_tps, t_tps, gm["peak_rss_mb"], trl["peak_rss_mb"],
-                         abs(gm["records"][0]["loss"] - trl["records"][0]["loss"])))
-    print(f"{'mode':6} {'gm tok/s':>9} {'trl tok/s':>9} {'speedup':>8} {'gm MB':>7} "
-          f"{'trl MB':>7} {'|dloss0|':>9}")
-    for mode, g, t, gm_mb, trl_mb, dl in rows:
-        print(f"{mode:6} {g:9.0f} {t:9.0f} {g / t:7.2f}x {gm_mb:7.0f} {trl_mb:7.0f} {dl:9.2e}")
+            out["cases"][mode] = run_mode(spec, py, a.reps)
+            print(f"{mode}: {out['cases'][mode]['settings']}", flush=True)
+    print(f"{'mode':6} {'gm tok/s':>9} {'trl tok/s':>9} {'ratio med':>9} {'min-max':>11} "
+          f"{'gm MB':>7} {'trl MB':>7} {'|dloss0|':>9}  (medians of {a.reps} alternating turns)")
+    for mode, c in out["cases"].items():
+        print(f"{mode:6} {_median(c['giantmodel_tokens_per_s']):9.0f} "
+              f"{_median(c['trl_tokens_per_s']):9.0f} {c['ratio_median']:8.2f}x "
+              f"{c['ratio_min']:5.2f}-{c['ratio_max']:4.2f}x "
+              f"{_median(c['giantmodel_peak_rss_mb']):7.0f} {_median(c['trl_peak_rss_mb']):7.0f} "
+              f"{c['loss0_abs_diff']:9.2e}  load {c['load_avg_1min'][0]:.1f}-"
+              f"{c['load_avg_1min'][1]:.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 
