@@ -225,9 +225,11 @@ def test_gemma_post_norms_and_capped_scores_match_measured():
     from giantmodel.planner.terms import family_extra_bytes, softcap_score_bytes
 
     B, T = 2, 96
+    g2 = {"qk_norm": False}   # Gemma 2's block
     cases = {"post_norms": ({"post_norms": True}, {}),
-             "softcap": ({"attn_softcap": 50.0}, {}),
-             "softcap_window": ({"attn_softcap": 50.0, "sliding_window": 32}, {"sliding_window": 32})}
+             "softcap": ({"attn_softcap": 50.0, **g2}, g2),
+             "softcap_window": ({"attn_softcap": 50.0, "sliding_window": 32, **g2},
+                                {"sliding_window": 32, **g2})}
     for precision in ("fp32", "bf16"):
         for name, (with_kw, without_kw) in cases.items():
             m = _gemma(**with_kw)

@@ -341,7 +341,8 @@ def softcap_score_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: i
     softmax output itself): 8 bytes a score in fp32 and in bf16. The masked
     fill keeps the inverted boolean band ([s, s], one per block, broadcast
     over the batch). Under GQA the two matmuls keep k and v repeated to the
-    query heads instead of the kernel's k and v; no log-sum-exp."""
+    query heads instead of the kernel's k and v (Gemma 2's block: without
+    qk-norm, k and v are tensors of their own); no log-sum-exp."""
     if not softcap_math(m, accelerator):
         return {}
     c = DTYPE_BYTES[precision]
