@@ -14,7 +14,7 @@ from giantmodel.models import build_model
 from giantmodel.models.common.moe import moe_layers
 from giantmodel.planner.hardware import get_profile
 from giantmodel.planner.layout import Cluster, Layout
-from giantmodel.planner.memory import MIB, param_table
+from giantmodel.planner.memory import MIB, memory_report, param_table
 from giantmodel.planner.moe import grad_sync_groups, stage_block_counts, stage_block_params
 from giantmodel.planner.perf import _local_params, collective_time, dp_times
 
@@ -90,3 +90,26 @@ def test_expert_gradients_sync_over_their_own_data_parallel_group():
     whole = collective_time(cpu, cluster, "all_reduce", local * 4, 8, 2)
     assert exposed == pytest.approx(split + tail, rel=1e-9)
     assert split != pytest.approx(whole, rel=1e-3)   # not all of it over dp x cp
+
+
+def test_a_dense_stage_is_costed_with_its_dense_blocks():
+    """DeepSeek-V3's layout in small: the first blocks dense, the others
+    MoE with many small experts and a shared one. Over pp2 the first
+    stage holds the dense blocks: its parameters (and so its model states)
+    are those the trainer builds for it, and its peak is below the MoE
+    stage's (equal before, every block counted as MoE)."""
+    m = replace(_model(first_k_dense=2, num_shared_experts=1), num_layers=4)
+    m.moe = replace(m.moe, num_experts=16)
+    m.validate()
+    layout = _layout(m, pp=2, dp=1, dp_shard=1, n_micro=2, stage_layers=(2, 2))
+    report = memory_report(m, layout, None)
+    for s, (first, last) in enumerate([(True, False), (False, True)]):
+        model = build_model(m, device="meta")
+        model.keep_stage(range(2 * s, 2 * s + 2), first, last)
+        built = sum(p.numel() for p in model.parameters())
+        comp = report.ranks[s].components
+        assert comp["params"] == 4 * built, (s, comp["params"], 4 * built)
+        assert comp["optimizer"] == 8 * built
+    dense, moe = (report.ranks[s] for s in (0, 1))
+    assert dense.components["params"] < 0.7 * moe.components["params"]
+    assert dense.peak < moe.peak

@@ -61,6 +61,7 @@ from giantmodel.planner.moe import (
     is_expert,
     layer_counts,
     sparse_layer_config,
+    stage_block_params,
 )
 from giantmodel.planner.terms import (  # noqa: F401  (re-exported)
     DTYPE_BYTES,
@@ -245,11 +246,18 @@ def model_active_param_count(m) -> int:
     return model_param_count(m) - inactive_params(m)
 
 
-def stage_param_list(table: ParamTable, stage: int, num_stages: int,
-                     n_layers: int) -> list[tuple[Param, bool]]:
-    """Every parameter on one pipeline stage, with whether it is a block's."""
+def stage_param_list(table: ParamTable, stage: int, num_stages: int, n_layers: int,
+                     m=None, stage_layers: tuple[int, ...] | None = None
+                     ) -> list[tuple[Param, bool]]:
+    """Every parameter on one pipeline stage, with whether it is a block's.
+    With ``m`` and ``stage_layers`` (every stage's block count) the stage's
+    blocks are its own, dense or MoE (:func:`giantmodel.planner.moe.stage_block_params`);
+    without them, ``n_layers`` blocks of ``table.layer`` (exact for a dense model)."""
     out = [(p, False) for p in table.embed] if stage == 0 else []
-    out += [(p, True) for _ in range(n_layers) for p in table.layer]
+    if m is not None and stage_layers is not None:
+        out += [(p, True) for p in stage_block_params(table, m, stage_layers, stage)]
+    else:
+        out += [(p, True) for _ in range(n_layers) for p in table.layer]
     if stage == num_stages - 1:
         out += [(p, False) for p in table.final + table.head]
         if table.tied and num_stages > 1:
@@ -259,10 +267,13 @@ def stage_param_list(table: ParamTable, stage: int, num_stages: int,
 
 
 def stage_params(table: ParamTable, stage: int, num_stages: int, n_layers: int,
-                 tp: int, ep: int = 1, experts: bool | None = None) -> list[tuple[int, ...]]:
+                 tp: int, ep: int = 1, experts: bool | None = None, m=None,
+                 stage_layers: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
     """Local (post-TP, post-EP) shapes of every parameter on one pipeline
-    stage; ``experts``: only the routed experts' (True) or only the others' (False)."""
-    return [p.local_shape(tp, ep) for p, _ in stage_param_list(table, stage, num_stages, n_layers)
+    stage; ``experts``: only the routed experts' (True) or only the others'
+    (False); ``m``, ``stage_layers``: as in :func:`stage_param_list`."""
+    return [p.local_shape(tp, ep) for p, _ in stage_param_list(table, stage, num_stages, n_layers,
+                                                                m, stage_layers)
             if experts is None or p.expert == experts]
 
 
@@ -552,7 +563,7 @@ def lora_layer_shapes(table: ParamTable, layout: Layout) -> list[tuple[int, ...]
 
 
 def _lora_states(table: ParamTable, layout: Layout, stages: tuple[int, ...], n_layers: int,
-                 shard_degree: int, style: str, strategy: str) -> dict[str, float]:
+                 shard_degree: int, style: str, strategy: str, m=None) -> dict[str, float]:
     """LoRA: the frozen base holds parameters only -- own ZeRO leaves it out
     of its flat buffers, FSDP2 shards it like any parameter -- in the dtypes
     the objective keeps (:mod:`giantmodel.planner.frozen`: bf16 under bf16,
@@ -562,7 +573,7 @@ def _lora_states(table: ParamTable, layout: Layout, stages: tuple[int, ...], n_l
     states = model_state_bytes(adapters, layout.zero, shard_degree, style, 0,
                                strategy=strategy, bucket_mb=layout.bucket_mb)
     states["params"] = states["params"] + lora_frozen_bytes(table, layout, stages, style,
-                                                            strategy)
+                                                            strategy, m)
     return states
 
 
@@ -573,8 +584,9 @@ def _lora_sharded(layout: Layout, style: str, strategy: str) -> bool:
 
 
 def lora_frozen_bytes(table: ParamTable, layout: Layout, stages: tuple[int, ...],
-                      style: str = "autocast", strategy: str = "own") -> float:
-    """Bytes of a LoRA model's frozen base on the pipeline rank holding ``stages``."""
+                      style: str = "autocast", strategy: str = "own", m=None) -> float:
+    """Bytes of a LoRA model's frozen base on the pipeline rank holding
+    ``stages`` (``m``: the model, whose stages may mix dense and MoE blocks)."""
     sharded = _lora_sharded(layout, style, strategy)
     degree = layout.dp_shard * layout.cp
 
@@ -583,7 +595,8 @@ def lora_frozen_bytes(table: ParamTable, layout: Layout, stages: tuple[int, ...]
         return shard_numel(shape, degree) if sharded else math.prod(shape)
 
     named = [pb for s in stages for pb in stage_param_list(table, s, layout.num_stages,
-                                                           layout.stage_layers[s])]
+                                                           layout.stage_layers[s], m,
+                                                           layout.stage_layers)]
     return frozen_param_bytes([p for p, _ in named], [b for _, b in named], layout,
                               StateBytes.for_style(style).param, sharded, numel)
 
@@ -599,19 +612,23 @@ def _rank_states(m, table: ParamTable, layout: Layout, stages: tuple[int, ...],
            layout.ep,
            layout.lora_rank, layout.lora_paths, layout.lora_nf4, on_accelerator(hw),
            # a frozen base's dtypes (giantmodel.planner.frozen)
-           (layout.precision, layout.sp) if layout.lora_rank else None)
+           (layout.precision, layout.sp) if layout.lora_rank else None,
+           # which of a stage's blocks are dense depends on where it starts
+           tuple(layout.stage_layers) if m.moe is not None else None)
     if key not in _STATES:
         shapes: list[tuple[int, ...]] = []
         experts: list[tuple[int, ...]] = []
         for s in stages:
-            shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp, experts=False)
+            # each stage's own blocks: dense ones where an MoE model keeps them
+            shapes += stage_params(table, s, ns, layout.stage_layers[s], layout.tp,
+                                   experts=False, m=m, stage_layers=layout.stage_layers)
             experts += stage_params(table, s, ns, layout.stage_layers[s], layout.tp, layout.ep,
-                                    experts=True)
+                                    experts=True, m=m, stage_layers=layout.stage_layers)
         strategy = layout_strategy(table, layout, hw)
         if layout.lora_rank:
             n_layers = sum(layout.stage_layers[s] for s in stages)
             states = _lora_states(table, layout, stages, n_layers, shard_degree, style,
-                                  strategy)
+                                  strategy, m)
             shapes += experts
         else:
             states = model_state_bytes(shapes, layout.zero, shard_degree, style, 0,

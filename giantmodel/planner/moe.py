@@ -31,10 +31,11 @@ giantmodel.parallel.expert run it:
 
 Pipeline stages hold the blocks the model has in their layer range, dense
 or MoE (:func:`stage_block_counts`, :func:`stage_block_params`, equal to the
-stage the trainer builds). ``memory.stage_param_list`` still lists every
-block of a stage as an MoE block until it takes ``stage_block_params``:
-where dense blocks are mixed in (DeepSeek-V3's first three), the stage that
-holds them is overestimated by their difference, never under.
+stage the trainer builds): ``memory.stage_param_list`` lists them so, and a
+stage's parameters, gradients and optimizer states are its own. Its
+activations, weight casts and ZeRO-2/3 buffers are still those of MoE
+blocks, one per block: where dense blocks are mixed in (DeepSeek-V3's first
+three) those terms of the stage holding them are the MoE block's.
 """
 
 from __future__ import annotations
