@@ -40,6 +40,10 @@ reach the last stage's loss inside the micro-batch's target
 (:mod:`giantmodel.objectives.dpo_pipeline`); with ``dpo.precompute_ref``
 they come from the table instead.
 
+Outside pipelines, each micro-batch's trailing padding columns are cut
+before the forwards (:meth:`DPO._trimmed`): pair rows are padded to
+``train.seq_len``, and the columns past the longest sequence only cost time.
+
 SimPO and ORPO need no reference. Metrics, named as TRL names them
 (``rewards/chosen`` ...), are kept as sums over the step's pairs and reduced
 over all ranks in :meth:`DPO.step_metrics`.
@@ -275,14 +279,36 @@ class DPO(BaseObjective):
         return ids, {"positions": batch["position_ids"].to(device),
                      "document_ids": batch["document_ids"].to(device)}
 
+    def _trimmed(self, batch: dict) -> dict:
+        """The micro-batch without its trailing all-padding columns. Pair rows
+        are padded to ``train.seq_len``; TRL pads each batch to its longest
+        sequence. Causal attention never lets a token see a later one, so the
+        kept columns' log-probs are unchanged, and the forwards, backward and
+        reference cost what the real tokens need (about half the columns of
+        the tiny preference set). The width is rounded up to a multiple of 8
+        (times the tensor-parallel degree: sequence parallelism shards it)
+        so a run sees few distinct shapes. Not under pipeline parallelism,
+        whose stages exchange fixed shapes."""
+        labels, docs = batch["labels"], batch["document_ids"]
+        used = ((docs >= 0) | (labels != IGNORE_INDEX)).any(0)
+        T = labels.shape[1]
+        last = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+        step = 8 * (self._tp_mesh.size() if self._tp_mesh is not None else 1)
+        width = min(T, -(-last // step) * step)
+        if width == T:
+            return batch
+        return {k: v[:, :width] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == T else v
+                for k, v in batch.items()}
+
     def loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         device = _device_of(module)
-        ids, kwargs = self._model_inputs(batch, device)
-        labels, docs = batch["labels"].to(device), batch["document_ids"].to(device)
+        cut = self._trimmed(batch)
+        ids, kwargs = self._model_inputs(cut, device)
+        labels, docs = cut["labels"].to(device), cut["document_ids"].to(device)
         policy, counts, valid = sequence_logps(module(ids, **kwargs), labels, docs)
         reference = None
         if self.needs_reference and self.cfg.precompute_ref:
-            reference = self._table().lookup(batch, device)
+            reference = self._table().lookup(batch, device)  # keyed by the whole rows
         elif self.needs_reference:
             reference = self._reference(module, ids, kwargs, labels, docs)
         return self._pair_loss(policy, counts, valid, reference)
@@ -365,6 +391,8 @@ class DPO(BaseObjective):
         """Reference sums ``[2, pair rows * D]`` of a batch of pair rows: one
         forward of the whole model, or a walk of the pipeline (None on a rank
         without the last stage)."""
+        if self._walk is None:
+            batch = self._trimmed(batch)
         ids, kwargs = self._model_inputs(batch, device)
         labels, docs = batch["labels"].to(device), batch["document_ids"].to(device)
         if self._walk is None:
