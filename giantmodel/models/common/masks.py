@@ -220,11 +220,12 @@ def banded_cpu(rows: int, window: int) -> bool:
     the window is shorter than the rows. It never builds a [rows, span]
     mask, where SDPA with the dense band converts it to an additive mask in
     the compute dtype and keeps it for backward in every layer (at 8,192
-    tokens, 256 MiB a layer in fp32), so it always holds less; measured on
-    2 Xeon vCPUs (fastest of 15, forward + backward, fp32) it is also the
-    faster from 1.25x the window with a 512 window (0.93x the dense band's
-    time at 1.25x, 0.47x at 4x) and from 3x with a 128 window (1.2x slower
-    below 2x: about 0.2 ms of per-block overhead). The planner reads it."""
+    tokens, 256 MiB a layer in fp32), so it always holds less. Time, on 2
+    shared Xeon vCPUs (``benchmarks/sliding_window.py --core``, fastest of
+    15, fp32 forward + backward): faster from 4x the window (0.46-0.72x the
+    dense band's time); between 1.25x and 3x within noise of it either way
+    (0.82-1.9x in one run, 0.84-0.93x in a quieter one), where the memory
+    decides. The planner reads it."""
     return rows > window
 
 
