@@ -260,24 +260,24 @@ def moe_selective_terms(m, precision: str) -> list[Term]:
     return [t for t in moe_ffn_terms(m, precision) if t.name in keep]
 
 
-def mla_terms(m, precision: str, cast: bool) -> list[Term]:
+def mla_terms(m, precision: str) -> list[Term]:
     """What one multi-head latent attention keeps for backward, per token (tp
-    is refused with MLA, so nothing is split): the input cast per reader
-    (wq_a, wkv_a), the low-rank latents and their RMSNorms (fp32 in, x * rstd),
-    the expanded q, k and v, the kernel's output and log-sum-exp."""
+    is refused with MLA, so nothing is split): its input (the compute-dtype
+    norm output, read by wq_a and wkv_a without casts), the low-rank latents
+    (kept by their RMSNorms with an fp32 rstd) and the normed latents (the
+    up-projections' input), the expanded q, k and v, the kernel's output and
+    log-sum-exp."""
     c = DTYPE_BYTES[precision]
     a, heads = m.mla, m.num_heads
     qk, v = heads * a.qk_head_dim, heads * a.v_head_dim
-    readers = 2 if a.q_lora_rank is not None else 1
-    terms = [Term("attention.input", (readers + 1) * c * m.hidden_size if cast
-                  else 4 * m.hidden_size, "full")]
+    terms = [Term("attention.input", c * m.hidden_size, "full")]
     if a.q_lora_rank is not None:
         r = a.q_lora_rank
-        terms += [Term("attention.q_latent", 4 * r, "full"), Term("attention.q_normed", 4 * r, "full"),
-                  Term("attention.q_normed_cast", c * r, "full")]
+        terms += [Term("attention.q_latent", c * r, "full"), Term("attention.q_normed", c * r, "full"),
+                  Term("attention.q_latent_rstd", 4, "full")]
     r = a.kv_lora_rank
-    terms += [Term("attention.kv_latent", 4 * r, "full"), Term("attention.kv_normed", 4 * r, "full"),
-              Term("attention.kv_normed_cast", c * r, "full"),
+    terms += [Term("attention.kv_latent", c * r, "full"), Term("attention.kv_normed", c * r, "full"),
+              Term("attention.kv_latent_rstd", 4, "full"),
               Term("attention.q_rope", c * qk, "tp"), Term("attention.k_rope", c * qk, "tp", kv=True),
               Term("attention.v", c * qk, "tp", kv=True),    # padded to the q/k width
               Term("attention.lse", 4 * heads, "tp"),
