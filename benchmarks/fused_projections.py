@@ -2,34 +2,52 @@
 
 The same 4-layer LLaMA (hidden 512, 8 heads, 4 KV heads, SwiGLU ffn 1408,
 vocab 4096, seq 512, two micro-batches of 1 per step, AdamW) trains in two
-variants, each in processes of its own:
+variants:
 
 * ``fused`` (what the code does since ddd5fe8): one GEMM for wq/wk/wv and
   one for w1/w3 (``giantmodel.models.common.fused``), the weights cast once
   per step, and under tensor parallelism the sequence-parallel projector
   (``giantmodel.parallel.sp_linear``) that saves the sharded input;
-* ``unfused`` (the path before it): in these processes only,
+* ``unfused`` (the path before it), by patching:
   ``layers.project`` and ``layers.local_project`` call each linear on its
   own (``[m(x) for m in linears]``, each ``nn.Linear`` under autocast), and
   ``tensor._projected`` returns nothing, so tensor parallelism applies the
-  DTensor plan (``PrepareModuleInput`` + colwise linears) as before.
+  DTensor plan (``PrepareModuleInput`` + colwise linears) as before. The
+  rest of ddd5fe8 (the norms saving x and rstd, the gated activation, the
+  residual stream in the compute dtype) is in both.
 
 Cells: tp1 (one process), tp2 and tp2 + sp (two gloo ranks, through
 ``giantmodel.testing.run_ranks``), each in bf16 (CPU autocast) and fp32.
-Every rep runs each cell's two variants back to back, the order swapped
-every rep (AB, BA, ...) so both see the same host load; a cell's ratio is
-the median of its per-rep ratios (fused / unfused step time: below 1 is
-faster), reported with their spread. A process's step time is the median
-of ``--steps`` timed steps after one warm-up; under tp, the slowest rank's.
+Each rep runs every cell in two modes:
 
-Memory, per rank (rank 0): the peak RSS of the rank (forked from a server
-that imported torch, so the import is in both), and the bytes saved for
-backward by one micro-batch's forward (``saved_tensors_hooks``, counted once
-per storage, parameters excluded: cast weight copies count), read on one
-more, untimed, micro-batch. The losses of the two variants are compared
+* ``interleaved``: both variants built in one process group from the same
+  weights, stepping in turn (the order swapped every step), the patches
+  applied around the unfused model's build and steps only; each pair of
+  steps sees the same host load, so this is the figure to read on a shared
+  host;
+* ``process``: each variant in processes of its own, back to back, the
+  order swapped every rep (AB, BA, ...), the patches holding for the
+  unfused variant's whole process.
+
+A cell's ratio is the median over reps of fused / unfused step time (each
+rep's ratio of its median steps; below 1 is faster), with the per-rep range
+and the ratio of the fastest steps. A step is one optimizer step (both
+micro-batches, clipping, AdamW); under tp, the slowest rank's.
+
+Memory (``process`` mode, rank 0): the rank's peak RSS (forked from a
+server that imported torch, so the import is in both), and what one more,
+untimed, micro-batch's forward and loss save for backward
+(``saved_tensors_hooks``, counted once per storage, parameters' own
+excluded), split into activations and weight copies (casts of a
+parameter made in that forward, seen by a dispatch mode: autocast's
+per-linear casts), next to the casts the
+fused path keeps on its modules through the step instead (held as long,
+though not saved tensors). The losses of the two variants are compared
 step by step (same weights and tokens).
 
-    PYTHONPATH=. python benchmarks/fused_projections.py [--reps 5] [--json out.json]
+    PYTHONPATH=. python benchmarks/fused_projections.py [--reps 5] [--steps 4] \\
+        [--layouts tp1,tp2,tp2-sp] [--precisions bf16,fp32] [--modes interleaved,process] \\
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -89,34 +107,66 @@ def _microbatches(cfg, step: int) -> list[dict]:
     return [{"input_ids": seq[i:i + m, :-1], "labels": seq[i:i + m, 1:]} for i in range(0, G, m)]
 
 
-def _saved_bytes(engine, mbs, precision) -> int:
-    """Bytes saved for backward by one micro-batch's forward (and its loss),
-    once per storage, parameters' own storages excluded."""
+def _plain(t) -> list:
+    """The plain tensors under a wrapper subclass (a DTensor's local shard,
+    a functional collective's pending result)."""
     import torch
 
-    def plain(t):
-        """The plain tensors under a wrapper subclass (a DTensor's local
-        shard, a functional collective's pending result)."""
-        if not isinstance(t, torch.Tensor):
-            return []
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            return [x for n in names for x in plain(getattr(t, n))]
-        return [t]
+    if not isinstance(t, torch.Tensor):
+        return []
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain(getattr(t, n))]
+    return [t]
 
-    params = {x.untyped_storage().data_ptr() for p in engine.parameters() for x in plain(p)}
-    seen: dict[int, int] = {}
+
+def _saved_bytes(engine, mbs, precision) -> dict:
+    """Bytes saved for backward by one micro-batch's forward (and its loss),
+    once per storage, parameters' own storages excluded: ``activations``,
+    and ``weight_copies`` (casts of a parameter made in this forward:
+    autocast's, per linear); and ``kept_casts``, the casts the fused path
+    keeps on its modules through the step (fused.cast_weight), which are
+    not saved tensors but are held as long."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    params = {x.untyped_storage().data_ptr() for p in engine.parameters() for x in _plain(p)}
+    copies: set[int] = set()
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def ptrs(tree) -> set[int]:
+        return {x.untyped_storage().data_ptr() for t in tree_leaves(tree) for x in _plain(t)}
+
+    class Casts(TorchDispatchMode):
+        """Notes the storages that ``_to_copy`` makes of a parameter's, and
+        forgets one whose address a later op's new output takes (a
+        temporary cast freed, its memory reused)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made = ptrs(out) - ptrs((args, kwargs))   # views share their input's
+            if func is torch.ops.aten._to_copy.default and ptrs(args[0]) & params:
+                copies.update(made)
+            else:
+                copies.difference_update(made)
+            return out
 
     def pack(t):
-        for x in plain(t):
+        for x in _plain(t):
             s = x.untyped_storage()
             if s.data_ptr() not in params and s.nbytes():
-                seen[s.data_ptr()] = s.nbytes()
+                # classified now: backward frees the casts and reuses their memory
+                seen[s.data_ptr()] = (s.nbytes(), s.data_ptr() in copies)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Casts():
         engine.forward_backward(mbs[:1], precision)
-    return sum(seen.values())
+    kept = {id(c[1]): c[1] for part in engine.parts for m in part.modules()
+            if (c := m.__dict__.get("_compute_weight")) is not None}
+    return {"activations": sum(n for n, copy in seen.values() if not copy),
+            "weight_copies": sum(n for n, copy in seen.values() if copy),
+            "kept_casts": sum(t.untyped_storage().nbytes() for t in kept.values())}
 
 
 def _rss_mib() -> float:
@@ -177,12 +227,13 @@ def _rank_process(rank: int, world: int, variant: str, layout: str, precision: s
             losses.append(loss)
             if step:
                 times.append(dt)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # of the steps
         saved = _saved_bytes(engine, _microbatches(cfg, steps + 1), prec)
         engine.zero_grad(opt)
         if world > 1:
             dims.destroy_mesh()
-    return {"times": times, "losses": losses, "saved_bytes": saved, "start_rss_mib": start_rss,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"times": times, "losses": losses, "saved": saved, "start_rss_mib": start_rss,
+            "peak_rss_mib": peak}
 
 
 def _rank_interleaved(rank: int, world: int, layout: str, precision: str, steps: int) -> dict:
@@ -259,7 +310,8 @@ def summarise(runs: dict, memory: bool) -> list[dict]:
                                                           first["unfused"]["losses"])),
                "loss_end": first["fused"]["losses"][-1]}
         if memory:
-            row["saved_mib"] = {v: first[v]["saved_bytes"] / 2 ** 20 for v in VARIANTS}
+            row["saved_mib"] = {v: {k: b / 2 ** 20 for k, b in first[v]["saved"].items()}
+                                for v in VARIANTS}
             row["peak_rss_mib"] = {v: statistics.median(r[v]["peak_rss_mib"] for r in reps)
                                    for v in VARIANTS}
         rows.append(row)
@@ -271,7 +323,8 @@ def format_table(rows: list[dict]) -> str:
     head = ("| cell | step s unfused / fused | fused / unfused, median (per-rep range) "
             "| fastest step fused / unfused | max loss gap |")
     if memory:
-        head += " saved for backward MiB, unfused / fused (ratio) | peak RSS MiB, unfused / fused |"
+        head += (" activations saved MiB, unfused / fused (ratio) | weight copies saved "
+                 "+ kept MiB, unfused / fused | peak RSS MiB, unfused / fused |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         t = r["step_s"]
@@ -280,8 +333,10 @@ def format_table(rows: list[dict]) -> str:
                 f"| {r['loss_gap']:.1e} |")
         if memory:
             s, p = r["saved_mib"], r["peak_rss_mib"]
-            line += (f" {s['unfused']:.1f} / {s['fused']:.1f} ({s['fused'] / s['unfused']:.2f}x) "
-                     f"| {p['unfused']:.0f} / {p['fused']:.0f} |")
+            a = {v: s[v]["activations"] for v in VARIANTS}
+            w = {v: f"{s[v]['weight_copies']:.1f} + {s[v]['kept_casts']:.1f}" for v in VARIANTS}
+            line += (f" {a['unfused']:.1f} / {a['fused']:.1f} ({a['fused'] / a['unfused']:.2f}x) "
+                     f"| {w['unfused']} / {w['fused']} | {p['unfused']:.0f} / {p['fused']:.0f} |")
         lines.append(line)
     return "\n".join(lines)
 
