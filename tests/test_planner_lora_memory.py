@@ -125,3 +125,69 @@ def test_block_under_a_frozen_base_keeps_what_the_planner_says(arch, precision, 
     measured = (per[3][0] - per[1][0]) / 2
     predicted = (per[3][1] - per[1][1]) / 2
     assert abs(predicted / measured - 1) < 0.02, (measured, predicted)
+
+
+# ------------------------------------------------- tensor + sequence parallel
+def _tp_block_saved(tp: int, targets: list[str]) -> int:
+    """Bytes block 1 of a LoRA model saves for backward on this rank (bf16
+    autocast, tp + sp with the objective's own plan; parameters and the
+    block's input excluded)."""
+    from giantmodel.distributed.parallel_dims import ParallelDims
+    from giantmodel.parallel.parallelize import parallelize
+    from giantmodel.parallel.strategy import NoDataParallel
+    from giantmodel.planner.measure import SavedTensorCounter
+
+    dims = ParallelDims(world_size=tp, dp_replicate=1, tp=tp)
+    dims.build_mesh("cpu")
+    cfg = _job("llama", "bf16", targets, layers=2)
+    obj = LoRA.from_config(cfg)
+    model = obj.build(StageSpec())
+    parallelize(model, obj, dims, NoDataParallel(dims), sp=tp > 1, recompute="none",
+                offload=cfg.offload, compile=False)
+    obj.init_weights(model, torch.device("cpu"))
+    params = tuple(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    seen = {}
+
+    def enter(_module, args):
+        x = args[0]
+        local = x.to_local() if hasattr(x, "to_local") else x
+        seen["saved"] = SavedTensorCounter(exclude=params + (local,)).__enter__()
+
+    block = model.layers["1"]
+    block.register_forward_pre_hook(enter)
+    block.register_forward_hook(lambda *_: seen["saved"].__exit__(None, None, None))
+    ids = torch.randint(0, cfg.model.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    with obj.loss_context(), autocast("bf16"):
+        model(ids)
+    return seen["saved"].bytes
+
+
+def _tp_worker(rank, world):
+    return {tuple(t): _tp_block_saved(world, t) for t in (["all_linear"], ["q_proj", "v_proj"])}
+
+
+def test_block_under_tp_and_sp_keeps_what_the_planner_says():
+    """tp2 + sp, no recompute: an adapted group takes its input replicated
+    (the adapters keep it whole), a group without adapters keeps its
+    sequence shard; the frozen base stays fp32 (DTensors), so each adapted
+    linear's base is cast by autocast and kept to backward, while the
+    fused groups' casts are kept on the modules (not saved: not counted
+    here)."""
+    from giantmodel.planner.frozen import base_copy_numel
+    from giantmodel.planner.memory import layer_activation_bytes
+    from giantmodel.testing import run_ranks
+
+    results = run_ranks(_tp_worker, 2, timeout=240)
+    for targets in (["all_linear"], ["q_proj", "v_proj"]):
+        cfg = _job("llama", "bf16", targets, layers=1)
+        cfg.parallel.tp, cfg.parallel.sp = 2, True
+        layout = resolve_layout(cfg, Cluster(1, 2))
+        table = param_table(cfg.model)
+        acts = layer_activation_bytes(cfg.model, "bf16", "none", B, T, tp=2, sp=True,
+                                      lora=(layout.lora_rank, layout.lora_paths))
+        per_use, _ = base_copy_numel(cfg.model, table.layer, layout, sharded=False)
+        adapters = sum(a * b for a, b in lora_layer_shapes(table, layout))
+        pred = sum(acts.values()) - acts["attention_norm.input"] + 2 * (per_use + adapters)
+        pred += T * cfg.model.dim_per_head * 4   # the RoPE rows (the planner's edges)
+        measured = max(r[tuple(targets)] for r in results)
+        assert abs(pred / measured - 1) < 0.02, (targets, measured, pred)
