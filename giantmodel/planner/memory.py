@@ -6,12 +6,12 @@ parameter, with the exact tensor-parallel shard shapes, FSDP2's dim-0 shards
 so they match what the parallel engine allocates byte for byte.
 
 Activations are the tensors autograd keeps for backward in *this project's*
-blocks (giantmodel.models.common), listed one by one in ``layer_terms``. Under
-autocast the residual stream stays fp32 (the embedding output is fp32 and
-``x + bf16`` promotes), norms compute in fp32, and each linear casts its
-input to the compute dtype separately, so wq/wk/wv keep three copies. The
-layout of Korthikanti et al. 2022 (34*s*b*h + 5*a*s^2*b per layer in fp16) is
-the cross-check; flash attention removes the s^2 term.
+blocks (giantmodel.models.common), listed one by one in ``layer_terms``: the
+residual stream is in the compute dtype, norms keep their input and an fp32
+rstd, the fused q|k|v and gate|up GEMMs keep their one input (its sequence
+shard under sp), each tensor once. The layout of Korthikanti et al. 2022
+(34*s*b*h + 5*a*s^2*b per layer in fp16) is the cross-check; flash
+attention removes the s^2 term.
 
 Recompute modes follow giantmodel.parallel.recompute: ``selective`` runs
 each block under an op-level policy that saves matmul outputs, the fused
@@ -20,12 +20,12 @@ else (norms, rotary, casts, the MLP activation, all-gathers); ``full``
 checkpoints whole blocks and keeps only each block's input. Either way the
 checkpoint keeps the block input.
 
-Weights: autocast caches one low-precision copy of every linear weight per
-forward and autograd keeps it until backward, so zero 0/1 runs also hold
-``compute bytes x linear params`` (less the blocks that recompute, where the
-casts are redone in backward). Under zero 2/3, FSDP2's mixed-precision policy
-gathers bf16 parameters and autocast's casts are no-ops. A LoRA base kept
-in bf16 or NF4 has no such copies (giantmodel.planner.frozen); its
+Weights (zero 0/1): the fused linears keep their compute-dtype casts from
+one optimizer step to the next (``train.weight_cast=step``), whatever the
+block recomputes; the other linears' autocast copies are kept until
+backward by the blocks that do not recompute. Under zero 2/3, FSDP2's
+mixed-precision policy gathers bf16 parameters and no cast is needed. A
+LoRA base kept in bf16 or NF4 has no casts (giantmodel.planner.frozen); its
 adapters, fp32 leaves, do.
 """
 
