@@ -467,7 +467,7 @@ def ablate(runs: list[Run]) -> None:
     """The fit rows with one earlier rule put back at a time: the GEMM rate
     from the smallest GEMM dimension (0.68 of peak x d / (d + 512)), and the
     bubble as (m + (p - 1) / v) x the slowest stage."""
-    from giantmodel.planner import perf
+    from giantmodel.planner import perf, roofline
 
     def show(label):
         errs = [f"{r.name}:{(predict(r)[0] / r.published_tok_s_gpu - 1) * 100:+.0f}%" for r in runs]
@@ -486,15 +486,15 @@ def ablate(runs: list[Run]) -> None:
     globals()["estimate_time"] = old_bubble
     show("old bubble")
     globals()["estimate_time"] = est
-    rate = perf.matmul_rate
+    rate = roofline.matmul_rate
 
     def old_rate(hw, precision, m, k, n):
         d = min(m, k, n)
         return hw.flops(precision) * 0.68 * d / (d + 512)
 
-    perf.matmul_rate = old_rate
+    roofline.matmul_rate = old_rate   # gemm_time reads it from its module
     show("old GEMM rate")
-    perf.matmul_rate = rate
+    roofline.matmul_rate = rate
 
 
 def main(argv=None) -> int:

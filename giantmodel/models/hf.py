@@ -22,7 +22,7 @@ from torch import nn
 
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig
-from giantmodel.models.families import family_for_hf, family_of
+from giantmodel.models.families import FAMILIES, family_for_hf, family_of
 from giantmodel.models.families import llama as llama_family
 from giantmodel.models.registry import build_model, canonical_name, copy_full_into
 
@@ -79,7 +79,7 @@ def model_config_to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float
     the format of its family (``model.family``, else its arch's own); raises
     when the family cannot express something ``cfg`` has."""
     family = family_of(cfg)
-    family.check_export(cfg)
+    family.check_export(cfg, FAMILIES)
     dtype_name = _DTYPE_NAMES.get(dtype, "float32")
     return {**family.config_to_hf(cfg), "dtype": dtype_name, "torch_dtype": dtype_name}
 
@@ -270,7 +270,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | os.
     exceed ``max_shard_bytes``. Returns the weight files written."""
     from safetensors.torch import save_file
 
-    family_of(cfg).check_export(cfg)  # before anything is written
+    family_of(cfg).check_export(cfg, FAMILIES)  # before anything is written
     out = Path(out_dir)
     if out.exists() and (any(out.glob("model*.safetensors*")) or (out / BIN_SINGLE).exists()):
         raise UserInputError(f"{out} already holds model weights; export into an empty "

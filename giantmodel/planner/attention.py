@@ -10,6 +10,7 @@ from __future__ import annotations
 from giantmodel.planner.layout import Layout
 from giantmodel.planner.memory import DTYPE_BYTES, cp_masked_attention, on_accelerator
 from giantmodel.planner.moe import attention_width
+from giantmodel.planner.roofline import gemm_time, mem_time
 from giantmodel.planner.terms import softcap_math
 
 
@@ -55,9 +56,6 @@ def attention_time(m, layout: Layout, hw, opts,
     dropout) compute every [s, s] score whatever the window, as two batched
     GEMMs (QK^T, PV; four in backward) and score-sized elementwise passes.
     ``opts``: the :class:`giantmodel.planner.perf.PerfOptions`."""
-    # perf imports this module; its roofline primitives are read at call time
-    from giantmodel.planner.perf import gemm_time, mem_time
-
     t, cp, prec = layout.tp, layout.cp, layout.precision
     if softcap_math(m, on_accelerator(hw)):
         s, d = layout.seq_len, m.dim_per_head   # cp is refused with soft-capping

@@ -66,6 +66,8 @@ def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = No
                       Term("feed_forward.w1_out", c * f, "tp"),
                       Term("feed_forward.w3_out", c * f, "tp"),
                       Term("feed_forward.w2_input", c * f, "tp")]
+        if m.post_norms:   # Gemma's norms on the attention's and the MLP's outputs
+            terms += post_norm_terms(terms)
     else:
         def norm(p):  # LayerNorm (fused.LayerNorm): its input, fp32 mean and rstd
             return [Term(f"{p}.input", c * h, "seq"), Term(f"{p}.stats", 8, "seq")]

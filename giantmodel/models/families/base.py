@@ -101,16 +101,15 @@ class Family:
         """Raise UserInputError when ``cfg`` has something this format cannot
         express (so an export never drops a tensor or a setting silently)."""
 
-    def check_export(self, cfg: ModelConfig) -> None:
+    def check_export(self, cfg: ModelConfig, families: dict[str, Family]) -> None:
         """:meth:`check`, after the soft-caps, which a format without them
         (:attr:`softcaps`) would drop: the export would compute other logits
-        than the model trained."""
-        from giantmodel.models.families import FAMILIES  # the registry imports this module
-
+        than the model trained. ``families``: the registry, to name the
+        formats that can take a cap."""
         for key in ("attn_softcap", "final_softcap"):
             cap = getattr(cfg, key)
             if cap is not None and key not in self.softcaps:
-                able = " or ".join(sorted(n for n, f in FAMILIES.items() if key in f.softcaps))
+                able = " or ".join(sorted(n for n, f in families.items() if key in f.softcaps))
                 raise UserInputError(
                     f"model.{key}={cap!r} cannot be written in the {self.name} format "
                     f"(transformers' {(self.architectures or (self.name,))[0]} has no such "
