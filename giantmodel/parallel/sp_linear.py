@@ -63,7 +63,9 @@ class _ColumnProjection(torch.autograd.Function):
         b = torch.cat([bb.to(dtype) for bb in biases]) if biases else None
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(full, w, b)
-        ctx.save_for_backward(xc, *weights)
+        # the input serves only the weights' gradients (none for a frozen group)
+        ctx.train_w = any(ctx.needs_input_grad[5:5 + n])
+        ctx.save_for_backward(xc if ctx.train_w else None, *weights)
         ctx.owner, ctx.group, ctx.sp, ctx.n = owner, group, sp, n
         ctx.dtype, ctx.x_dtype, ctx.has_bias = dtype, x.dtype, bool(biases)
         return y
@@ -72,7 +74,9 @@ class _ColumnProjection(torch.autograd.Function):
     def backward(ctx, gy):
         xc, *weights = ctx.saved_tensors
         gy = gy.to(ctx.dtype)
-        full, gather = (_gather_seq(xc, ctx.group, async_op=True) if ctx.sp else (xc, None))
+        full, gather = xc, None
+        if ctx.sp and ctx.train_w:
+            full, gather = _gather_seq(xc, ctx.group, async_op=True)
         w = cast_weight(ctx.owner, weights, ctx.dtype)
         gx = gy @ w   # needs no input: overlaps the gather
         if ctx.sp:
@@ -83,8 +87,10 @@ class _ColumnProjection(torch.autograd.Function):
             gather.wait()
         sizes = [t.shape[0] for t in weights]
         g2 = gy.reshape(-1, gy.shape[-1])
-        gw = g2.t() @ full.reshape(-1, full.shape[-1])   # overlaps the reduction
-        gws = [g.to(t.dtype) for g, t in zip(gw.split(sizes), weights)]
+        gws: list = [None] * len(weights)
+        if ctx.train_w:
+            gw = g2.t() @ full.reshape(-1, full.shape[-1])   # overlaps the reduction
+            gws = [g.to(t.dtype) for g, t in zip(gw.split(sizes), weights)]
         gbs = ([g.to(t.dtype) for g, t in zip(g2.sum(0).split(sizes), weights)]
                if ctx.has_bias else [])
         if reduce is not None:
@@ -130,7 +136,8 @@ class _RowProjection(torch.autograd.Function):
             else:
                 y = F.linear(xc, w)
                 all_reduce_sum_(y, group)
-        ctx.save_for_backward(xc, weight)
+        ctx.train_w = ctx.needs_input_grad[4]
+        ctx.save_for_backward(xc if ctx.train_w else None, weight)
         ctx.owner, ctx.group, ctx.sp, ctx.dtype, ctx.x_dtype = owner, group, sp, dtype, x.dtype
         return y
 
@@ -141,8 +148,10 @@ class _RowProjection(torch.autograd.Function):
         if ctx.sp:
             gy = _gather_seq(gy, ctx.group)[0]
         gx = gy @ cast_weight(ctx.owner, [weight], ctx.dtype)
-        gw = gy.reshape(-1, gy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])
-        return gx.to(ctx.x_dtype), None, None, None, gw.to(weight.dtype)
+        gw = None
+        if ctx.train_w:
+            gw = (gy.reshape(-1, gy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])).to(weight.dtype)
+        return gx.to(ctx.x_dtype), None, None, None, gw
 
 
 class RowProjector:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from giantmodel.planner.frozen import fused_groups
-
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -107,26 +105,21 @@ _LINEAR_INPUTS = {"attention.input": ("attention.wq", "attention.wk", "attention
 
 def _frozen_base_terms(m, terms: list[Term], c: int, rank: int,
                        paths: tuple[str, ...]) -> list[Term]:
-    """LoRA: the base is frozen, so a linear's input is kept only by what
-    reads it for a gradient or keeps it regardless
-    (:func:`giantmodel.planner.frozen.fused_groups`): a group of linears
-    with an adapter runs their own forward, and the adapters keep the input
-    whole (gathered under tp: they take it replicated); a group without
-    one runs the fused GEMM, which keeps its input as it does for a trained
-    base (the sequence shard under sp); a plain frozen linear running alone
-    (GPT's MLP) keeps none. Each adapter adds its rank-r ``A x`` (B's
-    input). The norms keep their inputs anyway."""
-    fused = {p for g in fused_groups(m, paths) for p in g}
+    """LoRA: the base is frozen, so a linear's input is kept only for a
+    gradient: a group of linears with an adapter runs their own forward,
+    and the adapters keep the input whole (gathered under tp: they take it
+    replicated); a group without one (the fused GEMM, or GPT's plain MLP
+    linear) keeps none, as no weight of it trains. Each adapter adds its
+    rank-r ``A x`` (B's input). The norms keep their inputs anyway."""
     out = []
     for t in terms:
         readers = _LINEAR_INPUTS.get(t.name)
         if readers is not None:
             if m.arch == "gpt" and t.name == "feed_forward.input":
                 readers = ("feed_forward.w1",)
-            if any(r in paths for r in readers):
-                t = Term(t.name, t.bytes_per_token, "full" if t.split == "seq" else t.split)
-            elif not all(r in fused for r in readers):
+            if not any(r in paths for r in readers):
                 continue
+            t = Term(t.name, t.bytes_per_token, "full" if t.split == "seq" else t.split)
         out.append(t)
     # A x is [tokens, r] whole on every tp rank (A's row-parallel partial
     # sums are reduced); adapter dropout (lora.dropout > 0) is not counted.

@@ -112,7 +112,10 @@ class _FusedLinear(torch.autograd.Function):
             b = torch.cat([bb.to(dtype) for bb in biases])
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xc, w, b)
-        ctx.save_for_backward(xc, *weights)
+        # the input serves only the weights' gradients: a frozen group
+        # (a LoRA base's unadapted linears) keeps none
+        keep = any(ctx.needs_input_grad[3:3 + n])
+        ctx.save_for_backward(xc if keep else None, *weights)
         ctx.owner, ctx.n, ctx.dtype, ctx.x_dtype = owner, n, dtype, x.dtype
         ctx.has_bias = b is not None
         return y
