@@ -22,11 +22,13 @@ sequential), with ``max_length`` = giantmodel's ``train.seq_len + 1`` and
 Both sides run fp32 without activation recompute (TRL's ``bf16`` and
 ``gradient_checkpointing`` defaults switched off), each side checked from the
 settings it reads back, and said in the output. Speed is taken over
-``--reps`` alternating turns per mode (each side a fresh process per turn, the
-order reversed every other turn, so both see the same host load): the median
-of the per-turn ratios and their spread.
+``--reps`` turns per mode; in each, both sides start as fresh processes and,
+once both are set up, take turns step by step (the order reversed every
+other step), so both see the same host load within a fraction of a second
+on a shared host: the median of the per-turn ratios, their spread, and the
+quartiles of the per-step ratios.
 
-    python benchmarks/dpo_trl.py --steps 10 --batch 8 --reps 7 --json out.json
+    python benchmarks/dpo_trl.py --steps 40 --batch 8 --reps 5 --json out.json
 """
 
 from __future__ import annotations
@@ -56,6 +58,27 @@ def _peak_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+class Turns:
+    """A side's half of the step-by-step handshake with the driver
+    (:func:`run_pair`): ``ready()`` once set up, then each step between
+    ``wait()`` (the driver's go) and ``done()``. Without fds (a side run on
+    its own) every call returns at once."""
+
+    def __init__(self, spec: dict):
+        self.go, self.back = spec.get("go_fd"), spec.get("done_fd")
+
+    def ready(self) -> None:
+        self.done()
+
+    def wait(self) -> None:
+        if self.go is not None and os.read(self.go, 1) != b"g":
+            raise RuntimeError("the driver went away")
+
+    def done(self) -> None:
+        if self.back is not None:
+            os.write(self.back, b"d")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -111,9 +134,12 @@ def giantmodel_side(spec: dict) -> dict:
     rows = loader.samples.blended.sources[0].rows  # pair rows in file order
     precision, opt = Precision("fp32", "cpu"), engine.build_optimizer(cfg.optim)
     records, times, tokens = [], [], []
+    turns = Turns(spec)
+    turns.ready()
     for step in range(spec["steps"]):
         chunk = rows[step * B:(step + 1) * B]
         batch = rows_to_batch(chunk.reshape((2 * B,) + chunk.shape[2:]), packed=True)
+        turns.wait()
         t0 = time.perf_counter()
         loss = engine.forward_backward([batch], precision)
         metrics = objective.step_metrics()
@@ -121,6 +147,7 @@ def giantmodel_side(spec: dict) -> dict:
         engine.optimizer_step(opt)
         engine.zero_grad(opt)
         times.append(time.perf_counter() - t0)
+        turns.done()
         tokens.append(int((batch["document_ids"] >= 0).sum()))
         records.append({"loss": loss, **metrics})
     settings = {"precision": cfg.precision, "recompute": cfg.recompute,
@@ -161,12 +188,19 @@ def trl_side(spec: dict) -> dict:
                 records.append({"loss": float(loss.detach()), **{k: m[k][-1] for k in METRICS}})
             return out
 
+    turns = Turns(spec)
+
     class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            turns.ready()
+
         def on_step_begin(self, args, state, control, **kw):
+            turns.wait()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            turns.done()
 
     with tempfile.TemporaryDirectory() as out:
         # TRL's configs default bf16 to True (unless fp16) and gradient
@@ -222,6 +256,60 @@ def run_side(side: str, spec: dict, python: str | Path = sys.executable,
         return json.loads(out_path.read_text())
 
 
+def run_pair(spec: dict, trl_py: Path, timeout: float = 900) -> dict[str, dict]:
+    """Both sides at once, each in a fresh process, taking turns step by
+    step: once both are set up, the driver lets one run a step, then the
+    other (the order reversed every other step), so the two see the same
+    host load within a fraction of a second. The result of each side."""
+    sides = {"giantmodel": sys.executable, "trl": trl_py}
+    procs, pipes = {}, {}
+    with tempfile.TemporaryDirectory() as d:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(spec["threads"]),
+               "TOKENIZERS_PARALLELISM": "false"}
+        try:
+            for side, py in sides.items():
+                go_r, go_w = os.pipe()
+                done_r, done_w = os.pipe()
+                spec_path = Path(d) / f"{side}.spec.json"
+                spec_path.write_text(json.dumps({**spec, "go_fd": go_r, "done_fd": done_w}))
+                with open(Path(d) / f"{side}.log", "w") as log:
+                    procs[side] = subprocess.Popen(
+                        [str(py), __file__, "--side", side, "--spec", str(spec_path),
+                         "--out", str(Path(d) / f"{side}.out.json")], stdout=log,
+                        stderr=subprocess.STDOUT, env=env, pass_fds=(go_r, done_w))
+                os.close(go_r)
+                os.close(done_w)  # EOF on done_r once the child exits
+                pipes[side] = (go_w, done_r)
+
+            def expect(side: str) -> None:
+                if os.read(pipes[side][1], 1) != b"d":
+                    procs[side].wait(timeout)
+                    tail = (Path(d) / f"{side}.log").read_text()[-4000:]
+                    raise RuntimeError(f"{side} side failed ({procs[side].returncode}):\n{tail}")
+
+            for side in sides:
+                expect(side)  # set up
+            for step in range(spec["steps"]):
+                for side in (list(sides) if step % 2 == 0 else list(sides)[::-1]):
+                    os.write(pipes[side][0], b"g")
+                    expect(side)
+            out = {}
+            for side, proc in procs.items():
+                if proc.wait(timeout) != 0:
+                    tail = (Path(d) / f"{side}.log").read_text()[-4000:]
+                    raise RuntimeError(f"{side} side failed ({proc.returncode}):\n{tail}")
+                out[side] = json.loads((Path(d) / f"{side}.out.json").read_text())
+            return out
+        finally:
+            for fds in pipes.values():
+                for fd in fds:
+                    os.close(fd)
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
 def spec_for(model: str, data: str, *, loss_type: str = "sigmoid", lora: bool = False,
              steps: int = 4, batch: int = 4, threads: int = 1) -> dict:
     return {"model": model, "data": data, "loss_type": loss_type, "lora": lora, "steps": steps,
@@ -260,28 +348,27 @@ def _median(xs: list[float]) -> float:
 
 
 def run_mode(spec: dict, py: Path, reps: int) -> dict:
-    """``reps`` alternating turns (giantmodel then TRL, reversed every other
-    turn), each side a fresh process; per-turn ratios and their spread."""
-    from benchmarks.moe_reps import alternating_reps
-
-    runs: dict[str, list[dict]] = {"giantmodel": [], "trl": []}
-    loads: list[float] = []
-
-    def one(side: str) -> float:
+    """``reps`` turns, each a fresh pair of processes stepping alternately
+    (:func:`run_pair`): each turn's ratio (tokens/s over its steps after the
+    first), their median and spread, and the per-step ratios' quartiles
+    (TRL's step time over giantmodel's on the same batch, back to back)."""
+    gms, trls, loads = [], [], []
+    for _ in range(reps):
         loads.append(os.getloadavg()[0])
-        r = run_side(side, spec, sys.executable if side == "giantmodel" else py)
-        runs[side].append(r)
-        return sum(r["times"][1:])
-
-    alternating_reps(["giantmodel", "trl"], reps, 0, one)
-    gms, trls = runs["giantmodel"], runs["trl"]
+        pair = run_pair(spec, py)
+        gms.append(pair["giantmodel"])
+        trls.append(pair["trl"])
     tokens = gms[0]["tokens"]
     g_tps = [tokens_per_s(r, tokens) for r in gms]
     t_tps = [tokens_per_s(r, tokens) for r in trls]
     ratios = [g / t for g, t in zip(g_tps, t_tps)]
+    steps = sorted(t / g for gm, trl in zip(gms, trls)
+                   for g, t in zip(gm["times"][1:], trl["times"][1:]))
+    quart = [steps[int(q * (len(steps) - 1))] for q in (0.25, 0.5, 0.75)]
     return {"settings": check_fp32_no_recompute(gms[0], trls[0]),
             "giantmodel_tokens_per_s": g_tps, "trl_tokens_per_s": t_tps, "ratios": ratios,
             "ratio_median": _median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "step_ratio_quartiles": quart,
             "giantmodel_peak_rss_mb": [r["peak_rss_mb"] for r in gms],
             "trl_peak_rss_mb": [r["peak_rss_mb"] for r in trls],
             "loss0_abs_diff": abs(gms[0]["records"][0]["loss"] - trls[0]["records"][0]["loss"]),
@@ -299,7 +386,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="pairs per step")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5,
-                    help="alternating turns per mode, each side a fresh process per turn")
+                    help="turns per mode: fresh processes per turn, stepping alternately")
     ap.add_argument("--modes", default="lora,full")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
@@ -319,14 +406,15 @@ def main() -> None:
             out["cases"][mode] = run_mode(spec, py, a.reps)
             print(f"{mode}: {out['cases'][mode]['settings']}", flush=True)
     print(f"{'mode':6} {'gm tok/s':>9} {'trl tok/s':>9} {'ratio med':>9} {'min-max':>11} "
-          f"{'gm MB':>7} {'trl MB':>7} {'|dloss0|':>9}  (medians of {a.reps} alternating turns)")
+          f"{'gm MB':>7} {'trl MB':>7} {'|dloss0|':>9}  (medians of {a.reps} turns, steps alternating)")
     for mode, c in out["cases"].items():
         print(f"{mode:6} {_median(c['giantmodel_tokens_per_s']):9.0f} "
               f"{_median(c['trl_tokens_per_s']):9.0f} {c['ratio_median']:8.2f}x "
               f"{c['ratio_min']:5.2f}-{c['ratio_max']:4.2f}x "
               f"{_median(c['giantmodel_peak_rss_mb']):7.0f} {_median(c['trl_peak_rss_mb']):7.0f} "
               f"{c['loss0_abs_diff']:9.2e}  load {c['load_avg_1min'][0]:.1f}-"
-              f"{c['load_avg_1min'][1]:.1f}")
+              f"{c['load_avg_1min'][1]:.1f}; per step {c['step_ratio_quartiles'][1]:.2f}x "
+              f"(quartiles {c['step_ratio_quartiles'][0]:.2f}-{c['step_ratio_quartiles'][2]:.2f})")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 
