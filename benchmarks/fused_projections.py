@@ -78,14 +78,20 @@ def unfused():
     from giantmodel.models.common import layers
     from giantmodel.parallel import tensor
 
-    kept = layers.project, layers.local_project, tensor._projected
-    layers.project = lambda module, x, linears: [m(x) for m in linears]
-    layers.local_project = lambda x, owner, linears: [m(x) for m in linears]
+    per_linear = {"project": lambda module, x, linears: [m(x) for m in linears],
+                  "local_project": lambda x, owner, linears: [m(x) for m in linears]}
+    # layers imports local_project only while wo and w2 call it (ddd5fe8)
+    kept = {n: getattr(layers, n) for n in per_linear if hasattr(layers, n)}
+    kept_projected = tensor._projected
+    for n in kept:
+        setattr(layers, n, per_linear[n])
     tensor._projected = lambda block: ()
     try:
         yield
     finally:
-        layers.project, layers.local_project, tensor._projected = kept
+        for n, f in kept.items():
+            setattr(layers, n, f)
+        tensor._projected = kept_projected
 
 
 def _variant(name: str):
