@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from giantmodel.models.common.fused import cast_weight, compute_dtype, plain
+from giantmodel.models.common.fused import cast_weight, compute_dtype, input_grad, plain
 from giantmodel.parallel.collectives import (
     all_gather_into,
     all_reduce_sum_,
@@ -77,8 +77,7 @@ class _ColumnProjection(torch.autograd.Function):
         full, gather = xc, None
         if ctx.sp and ctx.train_w:
             full, gather = _gather_seq(xc, ctx.group, async_op=True)
-        w = cast_weight(ctx.owner, weights, ctx.dtype)
-        gx = gy @ w   # needs no input: overlaps the gather
+        gx = input_grad(gy, ctx.owner, weights, ctx.dtype)   # needs no input: overlaps the gather
         if ctx.sp:
             gx, reduce = _scatter_seq(gx, ctx.group, async_op=True)
         else:

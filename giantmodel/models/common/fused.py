@@ -97,6 +97,21 @@ def keep_casts(model: nn.Module, keep: bool) -> None:
             m.__dict__.pop("_compute_weight", None)
 
 
+def input_grad(gy: torch.Tensor, owner: nn.Module, weights: list[torch.Tensor],
+               dtype: torch.dtype) -> torch.Tensor:
+    """gy @ cat(W): with the kept cast when there is one; weights already in
+    the compute dtype (fp32 training, FSDP2's bf16 gathers) are read one by
+    one, accumulated, rather than concatenated again for backward."""
+    if len(weights) == 1 or any(w.dtype != dtype for w in weights):
+        return gy @ cast_weight(owner, weights, dtype)
+    out, start = None, 0
+    for w in weights:
+        part = gy[..., start:start + w.shape[0]] @ w
+        out = part if out is None else out.add_(part)
+        start += w.shape[0]
+    return out
+
+
 class _FusedLinear(torch.autograd.Function):
     """y = x @ cat(W)^T + cat(b): one GEMM, the input saved once in the
     compute dtype, the weights read through :func:`cast_weight`."""
@@ -126,8 +141,7 @@ class _FusedLinear(torch.autograd.Function):
         gy = gy.to(ctx.dtype)
         gx = None
         if ctx.needs_input_grad[0]:
-            w = cast_weight(ctx.owner, weights, ctx.dtype)
-            gx = (gy @ w).to(ctx.x_dtype)
+            gx = input_grad(gy, ctx.owner, weights, ctx.dtype).to(ctx.x_dtype)
         sizes = [w.shape[0] for w in weights]
         gws: list = [None] * ctx.n
         if any(ctx.needs_input_grad[3:3 + ctx.n]):
@@ -168,27 +182,32 @@ def project(module: nn.Module, x: torch.Tensor, linears) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------- norms
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or wider when it already is (float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class _RMSNorm(torch.autograd.Function):
     """RMSNorm computed in fp32; saves x (its own dtype) and rstd (fp32)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.float()
+        xf = _acc(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.float()).to(x.dtype)
+        return (xf * rstd * _acc(weight)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight, rstd = ctx.saved_tensors
-        n = x.float() * rstd
-        g = gy.float()
+        n = _acc(x) * rstd
+        g = _acc(gy)
         gw = None
         if ctx.needs_input_grad[1]:
             # Summed over every leading dim without a reshape, which would
             # merge a sequence-sharded dim (a DTensor under sp) with another.
             gw = (g * n).sum(dim=tuple(range(n.dim() - 1))).to(weight.dtype)
-        gn = g * weight.float()
+        gn = g * _acc(weight)
         gx = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
         return gx.to(x.dtype), gw, None
 
@@ -205,25 +224,25 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        xf = x.float()
+        xf = _acc(x)
         mean = xf.mean(-1, keepdim=True)
         rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_bias = bias is not None
-        out = (xf - mean) * rstd * weight.float()
+        out = (xf - mean) * rstd * _acc(weight)
         if bias is not None:
-            out = out + bias.float()
+            out = out + _acc(bias)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight, mean, rstd = ctx.saved_tensors
-        n = (x.float() - mean) * rstd
-        g = gy.float()
+        n = (_acc(x) - mean) * rstd
+        g = _acc(gy)
         lead = tuple(range(n.dim() - 1))
         gw = (g * n).sum(dim=lead).to(weight.dtype) if ctx.needs_input_grad[1] else None
         gb = g.sum(dim=lead).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        gn = g * weight.float()
+        gn = g * _acc(weight)
         gx = rstd * (gn - gn.mean(-1, keepdim=True) - n * (gn * n).mean(-1, keepdim=True))
         return gx.to(x.dtype), gw, gb, None
 
