@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,3 +93,27 @@ def test_norms_and_gated_activation_equal_autograd():
     g, u = torch.randn(2, 2, 5, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda g, u: fused.gated(F.silu, g, u), (g, u))
     assert torch.allclose(fused.gated(F.silu, g, u), F.silu(g) * u)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_project_on_cuda_bf16_equals_separate_linears():
+    """The fused GEMM, its kept cast and its hand-written backward on a GPU
+    under bf16 autocast, against the plain linears."""
+    lins = [m.cuda() for m in _linears(True)]
+    owner = nn.Module()
+    params = [p for m in lins for p in m.parameters()]
+    x = torch.randn(4, 64, 32, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = [m(x) for m in lins]
+    sum(r.float().sum() for r in ref).backward()
+    want = _grads(params, x)
+    for p in params + [x]:
+        p.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = fused.local_project(x, owner, lins)
+    sum(g.float().sum() for g in got).backward()
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.bfloat16 and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    for a, b in zip(_grads(params, x), want):
+        assert torch.allclose(a, b, atol=2e-1, rtol=2e-2)
