@@ -294,3 +294,20 @@ def test_gemma_attention_time_follows_local_global_layers_and_caps():
     # and the block's time carries the math path's score traffic
     assert layer_time(capped[0], lay1, cpu, cluster, opts).fwd \
         > layer_time(_gemma(), lay1, cpu, cluster, opts).fwd + t_full[0] - fused[0]
+
+
+def test_capped_scores_count_in_the_memory_model_on_a_cpu():
+    """Gemma 2's soft-capped scores on the CPU's math path are part of a
+    block's memory (no recompute), once, and absent where flex attention
+    applies the cap (an accelerator)."""
+    from giantmodel.planner.terms import softcap_score_bytes
+
+    m = _gemma(attn_softcap=50.0, final_softcap=30.0, qk_norm=False)
+    lay = _layout(m, "bf16", 2, 256)
+    cpu = rank_memory(m, lay, 0, get_profile("cpu"))
+    gpu = rank_memory(m, lay, 0, get_profile("h100-sxm"))
+    extra = softcap_score_bytes(m, "bf16", 2, 256, 1, False)
+    assert extra and all(cpu.per_layer[k] == v for k, v in extra.items())
+    assert not any(k in gpu.per_layer for k in extra)
+    # what perf adds from family_extra_bytes is already there: nothing twice
+    assert sum(cpu.per_layer.values()) > sum(gpu.per_layer.values())

@@ -70,6 +70,7 @@ from giantmodel.planner.terms import (  # noqa: F401  (re-exported)
     cp_none_terms,
     layer_terms,
     selective_terms,
+    softcap_score_bytes,
     term_bytes,
 )
 
@@ -736,6 +737,9 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                                             layout.sp, layout.cp, lora, recomputed,
                                             bf16_stream, not on_accelerator(hw))
                for mode in set(modes) | {"none", layout.recompute}}
+    if layout.cp == 1:   # Gemma 2's capped scores on the math path (no recompute keeps them)
+        capped = softcap_score_bytes(m, layout.precision, b, s, layout.tp, on_accelerator(hw))
+        by_mode["none"].update({k: v for k, v in capped.items() if k not in by_mode["none"]})
     per_layer = by_mode[layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
     rank_bytes = sum(k * sum(by_mode[mode].values()) for mode, k in modes.items())
