@@ -14,12 +14,7 @@ from __future__ import annotations
 from giantmodel.config.errors import UserInputError
 from giantmodel.config.model import ModelConfig
 from giantmodel.models.families.base import NameMap
-from giantmodel.models.families.gemma3 import (
-    GEMMA3_NAMES,
-    Gemma3Family,
-    rope_scaling_from_hf,
-    softcap_from_hf,
-)
+from giantmodel.models.families.gemma3 import GEMMA3_NAMES, Gemma3Family, softcap_from_hf
 
 GEMMA2_NAMES = NameMap(base=GEMMA3_NAMES.base, layers=GEMMA3_NAMES.layers, top=GEMMA3_NAMES.top,
                        layer={k: v for k, v in GEMMA3_NAMES.layer.items()
@@ -36,39 +31,16 @@ class Gemma2Family(Gemma3Family):
     """Gemma 2: local and global layers alternate, the first local."""
 
     def config_from_hf(self, hf: dict) -> dict:
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise UserInputError(f"gemma2 hidden_activation {act!r} is not supported; "
-                                 "expected 'gelu_pytorch_tanh'")
+        self.check_activation(hf)
         if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
             raise UserInputError("gemma2 with attention biases or bidirectional attention "
                                  "is not supported")
-        layers = int(hf["num_hidden_layers"])
-        max_len = int(hf.get("max_position_embeddings", 8192))
         params = hf.get("rope_parameters") or {}
         theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
         scaling = hf.get("rope_scaling") or (params if params else None)
-        heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-        head_dim = int(hf.get("head_dim") or 256)
-        window = hf.get("sliding_window", 4096)
-        types = self._layer_types(hf, layers)
-        if not window or "sliding_attention" not in types or window >= max_len:
-            window, types = None, None  # no layer's window ever binds
-        return dict(
-            arch="llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=head_dim if head_dim * heads != hidden else None,
-            ffn_hidden_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
-            max_seq_len=max_len, rope_theta=theta,
-            rope_scaling=rope_scaling_from_hf(scaling, max_len),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0,
-            sliding_window=int(window) if window else None, layer_types=types,
-            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-            post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
-            attn_softcap=softcap_from_hf(hf.get("attn_logit_softcapping")),
-            final_softcap=softcap_from_hf(hf.get("final_logit_softcapping")))
+        return {**self.shared_config_from_hf(hf, 8192, theta, scaling),
+                "attn_softcap": softcap_from_hf(hf.get("attn_logit_softcapping")),
+                "final_softcap": softcap_from_hf(hf.get("final_logit_softcapping"))}
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         return {

@@ -152,23 +152,37 @@ class Gemma3Family(Family):
         if "text_config" in hf:  # multimodal: the text model's own config
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True),
                   **hf["text_config"]}
+        self.check_activation(hf)
+        for key in ("use_bidirectional_attention", "attention_bias", "attn_logit_softcapping"):
+            if hf.get(key):
+                raise UserInputError(f"{self.name} with {key}={hf[key]!r} is not supported")
+        theta, local_theta, scaling = self._rope(hf)
+        cfg = self.shared_config_from_hf(hf, 131_072, theta, scaling)
+        cfg.update(qk_norm=True, rope_local_theta=local_theta if cfg["layer_types"] else None,
+                   final_softcap=softcap_from_hf(hf.get("final_logit_softcapping")))
+        return cfg
+
+    def check_activation(self, hf: dict) -> None:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UserInputError(f"{self.name} hidden_activation {act!r} is not supported; "
                                  "expected 'gelu_pytorch_tanh'")
-        for key in ("use_bidirectional_attention", "attention_bias", "attn_logit_softcapping"):
-            if hf.get(key):
-                raise UserInputError(f"{self.name} with {key}={hf[key]!r} is not supported")
+
+    def shared_config_from_hf(self, hf: dict, default_len: int, theta: float,
+                              scaling: dict | None) -> dict:
+        """The ModelConfig keys Gemma 2 and Gemma 3 read alike from a text
+        config (the reverse of :meth:`shared_hf_config`); ``default_len``:
+        the format's max_position_embeddings when absent, ``theta`` and
+        ``scaling``: the (global) RoPE base and scaling as each reads them.
+        The window and layer pattern are dropped when no layer's window
+        ever binds (none sliding, or one no shorter than max_seq_len)."""
         layers = int(hf["num_hidden_layers"])
-        max_len = int(hf.get("max_position_embeddings", 131_072))
-        theta, local_theta, scaling = self._rope(hf)
+        max_len = int(hf.get("max_position_embeddings", default_len))
         heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or 256)
         window = hf.get("sliding_window", 4096)
         types = self._layer_types(hf, layers)
-        if not window or "sliding_attention" not in types:
-            window, types = None, None
-        elif window >= max_len:  # never binding: every sequence fits in it
+        if not window or "sliding_attention" not in types or window >= max_len:
             window, types = None, None
         return dict(
             arch="llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -177,14 +191,12 @@ class Gemma3Family(Family):
             ffn_hidden_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
             max_seq_len=max_len, rope_theta=theta,
             rope_scaling=rope_scaling_from_hf(scaling, max_len),
-            rope_local_theta=local_theta if types else None,
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0,
-            qk_norm=True, sliding_window=int(window) if window else None, layer_types=types,
+            sliding_window=int(window) if window else None, layer_types=types,
             attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-            post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
-            final_softcap=softcap_from_hf(hf.get("final_logit_softcapping")))
+            post_norms=True, mlp_activation="gelu_tanh", embed_scale=True)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
