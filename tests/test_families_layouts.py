@@ -19,7 +19,7 @@ import argparse
 import layout_harness as H
 import pytest
 import torch
-import yaml
+from hf_helpers import lora_run_dir
 
 from giantmodel.testing import run_ranks
 
@@ -132,32 +132,6 @@ def test_packed_equals_unpacked_with_a_sliding_window():
 
 
 # ------------------------------------------------------------------- LoRA -> PEFT
-def _lora_run(root, base, family_cfg):
-    """A LoRA run directory (config.yaml + one checkpoint) over ``base``,
-    with random adapters, written the way the trainer writes one."""
-    from giantmodel.checkpoint import CheckpointManager, ModelState
-    from giantmodel.config.loader import to_dict
-    from giantmodel.config.train import CheckpointConfig
-    from giantmodel.models.hf import from_hf
-    from giantmodel.models.lora import apply_lora, is_lora_param
-
-    model = from_hf(base)
-    apply_lora(model, ["all_linear"], 4, 8.0, 0.0, model.cfg.arch)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if is_lora_param(name):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    root.mkdir()
-    (root / "config.yaml").write_text(yaml.safe_dump({
-        "objective": "lora", "model": to_dict(model.cfg),
-        "lora": {"rank": 4, "alpha": 8.0, "targets": ["all_linear"], "save_adapter_only": False},
-        "checkpoint": {"init_from": str(base)}}, sort_keys=False))
-    manager = CheckpointManager(CheckpointConfig(keep=0), root, is_rank0=True)
-    manager.save(1, {"model": ModelState([model])})
-    manager.close()
-
-
 @pytest.mark.timeout(180)
 def test_lora_peft_export_matches_merged_for_each_family(tmp_path):
     peft = pytest.importorskip("peft")
@@ -174,7 +148,7 @@ def test_lora_peft_export_matches_merged_for_each_family(tmp_path):
                        ("mistral", {"sliding_window": 8})):
         base, run = tmp_path / f"{family}-base", tmp_path / f"{family}-run"
         make_hf(family, **kw).save_pretrained(base)
-        _lora_run(run, base, kw)
+        lora_run_dir(run, base, ["all_linear"])
         assert main(parser.parse_args([str(run), str(tmp_path / f"{family}-peft"),
                                        "--to", "peft"])) == 0
         assert main(parser.parse_args([str(run), str(tmp_path / f"{family}-merged"),

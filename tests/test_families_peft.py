@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
-import yaml
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import lora_run_dir  # noqa: E402
 from test_families_gemma_phi import GEMMA_TYPES, make_hf  # noqa: E402
 
 from giantmodel.checkpoint.convert import add_arguments, main  # noqa: E402
@@ -28,32 +28,6 @@ def _gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
     return transformers.GPT2LMHeadModel(cfg).eval()
-
-
-def _lora_run(root, base, targets: list[str]):
-    """A LoRA run directory (config.yaml + one checkpoint) over ``base``,
-    every adapter random (B too, so each part's update shows)."""
-    from giantmodel.checkpoint import CheckpointManager, ModelState
-    from giantmodel.config.loader import to_dict
-    from giantmodel.config.train import CheckpointConfig
-    from giantmodel.models.hf import from_hf
-    from giantmodel.models.lora import apply_lora, is_lora_param
-
-    model = from_hf(base)
-    apply_lora(model, targets, 4, 8.0, 0.0, model.cfg.arch)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if is_lora_param(name):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    root.mkdir()
-    (root / "config.yaml").write_text(yaml.safe_dump({
-        "objective": "lora", "model": to_dict(model.cfg),
-        "lora": {"rank": 4, "alpha": 8.0, "targets": targets, "save_adapter_only": False},
-        "checkpoint": {"init_from": str(base)}}, sort_keys=False))
-    manager = CheckpointManager(CheckpointConfig(keep=0), root, is_rank0=True)
-    manager.save(1, {"model": ModelState([model])})
-    manager.close()
 
 
 CASES = [
@@ -86,7 +60,7 @@ def test_peft_export_matches_merged(tmp_path):
     for name, make, targets, expect in CASES:
         base, run = tmp_path / f"{name}-base", tmp_path / f"{name}-run"
         make().save_pretrained(base)
-        _lora_run(run, base, targets)
+        lora_run_dir(run, base, targets)
         adapter, merged_dir = tmp_path / f"{name}-peft", tmp_path / f"{name}-merged"
         assert main(parser.parse_args([str(run), str(adapter), "--to", "peft"])) == 0
         assert main(parser.parse_args([str(run), str(merged_dir), "--to", "hf",
