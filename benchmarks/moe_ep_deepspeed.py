@@ -205,11 +205,10 @@ def main(argv=None) -> int:
           f"ffn {s['ffn']} {s['experts']} experts top-{s['top_k']}, {s['tokens']} tokens/rank, "
           f"1 thread/rank, median of {res['reps']} (DeepSpeed {res['deepspeed']})")
     print(f"max |diff| giantmodel vs dropless DeepSpeed (rank 0): {res['max_abs_diff']}")
-    print(f"{'layer':<16}{'median s':>10}{'tokens/s':>12}{'giantmodel x':>14}")
-    for name, m in res["median_s"].items():
-        ratio = res["ratio_vs"].get(name)
-        print(f"{name:<16}{m:>10.3f}{res['tokens_per_s'][name]:>12.0f}"
-              f"{'' if ratio is None else f'{ratio:.2f}x':>14}")
+    sys.path.insert(0, str(HERE))
+    from moe_reps import print_table
+
+    print_table(res)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0

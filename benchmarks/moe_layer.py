@@ -32,7 +32,7 @@ import statistics
 import time
 
 import torch
-from moe_reps import alternating_reps
+from moe_reps import alternating_reps, print_table
 
 SHAPE = dict(hidden=512, ffn=1792, experts=8, top_k=2, batch=2, seq=2048)
 HF_IMPLS = ("eager", "grouped_mm")
@@ -152,11 +152,7 @@ def main(argv=None) -> None:
           f"{shape['experts']} experts top-{shape['top_k']}, {res['tokens']} tokens, "
           f"{res['threads']} threads, median of {a.reps}")
     print(f"max |diff| vs transformers: {res['max_abs_diff']}")
-    print(f"{'layer':<16}{'median s':>10}{'tokens/s':>12}{'giantmodel x':>14}")
-    for name, m in res["median_s"].items():
-        ratio = res["ratio_vs"].get(name)
-        print(f"{name:<16}{m:>10.3f}{res['tokens_per_s'][name]:>12.0f}"
-              f"{'' if ratio is None else f'{ratio:.2f}x':>14}")
+    print_table(res)
     print(f"ratio vs the faster transformers path ({res['ratio_against']}): {res['ratio']:.2f}x")
     if a.json:
         with open(a.json, "w") as f:

@@ -1,6 +1,7 @@
 """Side-by-side timing shared by the MoE benchmarks (moe_layer.py,
 moe_ep_deepspeed.py): every rep runs each system once, in an order that
-reverses every other rep, so that all of them see the same host load."""
+reverses every other rep, so that all of them see the same host load; and
+the table both print."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def alternating_reps(names: list[str], reps: int, warmup: int,
             if rep >= warmup:
                 times[name].append(t)
     return times
+
+
+def print_table(res: dict) -> None:
+    """Each layer's median seconds, tokens/s and giantmodel's ratio over it
+    (``res``: median_s, tokens_per_s, ratio_vs by layer name)."""
+    print(f"{'layer':<16}{'median s':>10}{'tokens/s':>12}{'giantmodel x':>14}")
+    for name, m in res["median_s"].items():
+        ratio = res["ratio_vs"].get(name)
+        print(f"{name:<16}{m:>10.3f}{res['tokens_per_s'][name]:>12.0f}"
+              f"{'' if ratio is None else f'{ratio:.2f}x':>14}")
