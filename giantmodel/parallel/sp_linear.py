@@ -25,7 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from giantmodel.models.common.fused import cast_weight, compute_dtype, input_grad, plain
+from giantmodel.models.common.fused import (
+    cast_weight,
+    compute_dtype,
+    input_grad,
+    param_grads,
+    plain,
+)
 from giantmodel.parallel.collectives import (
     all_gather_into,
     all_reduce_sum_,
@@ -84,14 +90,7 @@ class _ColumnProjection(torch.autograd.Function):
             reduce = all_reduce_sum_(gx, ctx.group, async_op=True)
         if gather is not None:
             gather.wait()
-        sizes = [t.shape[0] for t in weights]
-        g2 = gy.reshape(-1, gy.shape[-1])
-        gws: list = [None] * len(weights)
-        if ctx.train_w:
-            gw = g2.t() @ full.reshape(-1, full.shape[-1])   # overlaps the reduction
-            gws = [g.to(t.dtype) for g, t in zip(gw.split(sizes), weights)]
-        gbs = ([g.to(t.dtype) for g, t in zip(g2.sum(0).split(sizes), weights)]
-               if ctx.has_bias else [])
+        gws, gbs = param_grads(gy, full, weights, ctx.has_bias)   # overlaps the reduction
         if reduce is not None:
             reduce.wait()
         return (gx.to(ctx.x_dtype), None, None, None, None, *gws, *gbs)
@@ -146,10 +145,8 @@ class _RowProjection(torch.autograd.Function):
         gy = gy.to(ctx.dtype)
         if ctx.sp:
             gy = _gather_seq(gy, ctx.group)[0]
-        gx = gy @ cast_weight(ctx.owner, [weight], ctx.dtype)
-        gw = None
-        if ctx.train_w:
-            gw = (gy.reshape(-1, gy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])).to(weight.dtype)
+        gx = input_grad(gy, ctx.owner, [weight], ctx.dtype)
+        (gw,), _ = param_grads(gy, xc, [weight], has_bias=False)
         return gx.to(ctx.x_dtype), None, None, None, gw
 
 

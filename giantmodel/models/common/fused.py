@@ -47,10 +47,6 @@ def plain(linears) -> bool:
     return all(type(m) is nn.Linear for m in linears)
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if t is not None and hasattr(t, "to_local") else t
-
-
 _generation = 0
 
 
@@ -74,18 +70,21 @@ def cast_weight(owner: nn.Module, weights: list[torch.Tensor], dtype: torch.dtyp
     if len(weights) == 1 and weights[0].dtype == dtype:
         return weights[0]
     if torch.compiler.is_compiling():   # a compiled graph casts in place of the cache
-        return torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 \
-            else weights[0].to(dtype)
+        return _joined(weights, dtype)
     key = (_generation, dtype) + tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
     cached = owner.__dict__.get(slot)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
-        out = torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 \
-            else weights[0].to(dtype)
+        out = _joined(weights, dtype)
     if any(w.dtype != dtype for w in weights) and owner.__dict__.get("keep_casts", True):
         owner.__dict__[slot] = (key, out)
     return out
+
+
+def _joined(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 \
+        else weights[0].to(dtype)
 
 
 def keep_casts(model: nn.Module, keep: bool) -> None:
@@ -104,6 +103,21 @@ def input_grad(gy: torch.Tensor, owner: nn.Module, weights: list[torch.Tensor],
     concatenation, but its strided slices of gy round differently with the
     allocation's alignment, enough to move layouts apart by 1e-5.)"""
     return gy @ cast_weight(owner, weights, dtype)
+
+
+def param_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: list[torch.Tensor],
+                has_bias: bool) -> tuple[list, list]:
+    """The gradients of ``weights`` (None each when ``x`` is: a frozen group)
+    and of their biases, split from one GEMM over the concatenated outputs:
+    ``gy`` [..., sum of outputs], ``x`` [..., in], each in its weight's dtype."""
+    sizes = [w.shape[0] for w in weights]
+    g2 = gy.reshape(-1, gy.shape[-1])
+    gws: list = [None] * len(weights)
+    if x is not None:
+        gw = g2.t() @ x.reshape(-1, x.shape[-1])
+        gws = [g.to(w.dtype) for g, w in zip(gw.split(sizes), weights)]
+    gbs = [g.to(w.dtype) for g, w in zip(g2.sum(0).split(sizes), weights)] if has_bias else []
+    return gws, gbs
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -136,15 +150,7 @@ class _FusedLinear(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx = input_grad(gy, ctx.owner, weights, ctx.dtype).to(ctx.x_dtype)
-        sizes = [w.shape[0] for w in weights]
-        gws: list = [None] * ctx.n
-        if any(ctx.needs_input_grad[3:3 + ctx.n]):
-            gw = gy.reshape(-1, gy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])
-            gws = [g.to(w.dtype) for g, w in zip(gw.split(sizes), weights)]
-        gbs: list = [None] * ctx.n
-        if ctx.has_bias:
-            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
-            gbs = [g.to(w.dtype) for g, w in zip(gb.split(sizes), weights)]
+        gws, gbs = param_grads(gy, xc, weights, ctx.has_bias)
         return (gx, None, None, *gws, *gbs)
 
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from giantmodel.config.moe import MoEConfig
 from giantmodel.core import compat
+from giantmodel.models.common.fused import compute_dtype
 from giantmodel.models.common.layers import SwiGLU
 
 # Layout of MoE.stats after the E per-expert loads.
@@ -131,7 +132,7 @@ class GroupedExperts(nn.Module):
         ``weights``: (w1, w3, w2) to compute with instead of the parameters
         (an expert-parallel plan passes its rank's experts, plain tensors)."""
         w1, w3, w2 = weights or (self.w1, self.w3, self.w2)
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         # The fused kernel's TMA loads need 16-byte row strides: widths a
         # multiple of 8 in bf16 (forced, an unaligned width errors in torch).
         aligned = all(d * dtype.itemsize % 16 == 0 for d in w1.shape[1:])
@@ -146,7 +147,7 @@ class GroupedExperts(nn.Module):
         """One matmul per expert (the CPU path): the counts must be on the
         host. Run in the compute dtype (autocast's for its matmuls), by
         :class:`_ExpertLoop`."""
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return _ExpertLoop.apply(x.to(dtype), counts, *(w.to(dtype) for w in (w1, w3, w2)))
 
@@ -305,12 +306,6 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
     """``x[index]`` for an ``index`` that repeats each row ``copies`` times
     (a permutation when 1), ``inverse`` its inverse (see :class:`_GatherRows`)."""
     return _GatherRows.apply(x, index, inverse, copies)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class MoE(nn.Module):

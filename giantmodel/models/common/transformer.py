@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from giantmodel.config.model import ModelConfig
+from giantmodel.models.common.fused import compute_dtype
 from giantmodel.models.common.layers import (
     Attention,
     KVCache,
@@ -23,13 +24,6 @@ from giantmodel.models.common.layers import (
 from giantmodel.models.common.masks import document_mask
 from giantmodel.models.common.mla import MLA
 from giantmodel.models.common.moe import MoE
-
-
-def _compute_dtype(h: torch.Tensor) -> torch.dtype:
-    """The dtype attention will run in: autocast's when it is on."""
-    if torch.is_autocast_enabled(h.device.type):
-        return torch.get_autocast_dtype(h.device.type)
-    return h.dtype
 
 
 class Transformer(nn.Module):
@@ -147,14 +141,14 @@ class Transformer(nn.Module):
         # The residual stream runs in the compute dtype (Megatron's
         # default): norms then save bf16 inputs and linears read them
         # without casts. Later pipeline stages receive it so.
-        h = self.embed_dropout(h.to(_compute_dtype(h)))
+        h = self.embed_dropout(h.to(compute_dtype(h)))
         rope, rope_local = self._rope_tables(positions)
         mask = None
         if document_ids is not None:
             # flash varlen has no score modifier: soft-capped attention
             # takes the flex mask on CUDA (the dense one on the CPU)
             kernel = "flex" if self.cfg.attn_softcap and h.is_cuda else "auto"
-            mask = document_mask(document_ids, _compute_dtype(h), kernel)
+            mask = document_mask(document_ids, compute_dtype(h), kernel)
         if cache is not None and mask is not None:
             raise ValueError("a KV cache serves one sequence per row, not packed batches")
         for name, layer in self.layers.items():
