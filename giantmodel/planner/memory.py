@@ -372,26 +372,23 @@ _ACTS: dict[tuple, dict[str, float]] = {}
 def layer_activation_bytes(m, precision: str, mode: str, micro_batch: int, seq_len: int,
                            tp: int = 1, sp: bool = False, cp: int = 1,
                            lora: tuple[int, tuple[str, ...]] | None = None,
-                           recomputed: tuple[str, ...] = (),
-                           bf16_stream: bool = False, dense_window: bool = False
+                           recomputed: tuple[str, ...] = (), dense_window: bool = False
                            ) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch, by tensor name.
     ``seq_len`` is the full sequence; each cp rank holds seq_len / cp tokens.
     ``lora``: (rank, adapted paths) of a frozen base (:func:`layer_terms`).
     ``recomputed``: block matmuls (``wq`` ... ``w3``) whose outputs a selective
     policy re-runs instead of keeping (another stack's policy; this engine's
-    keeps them all). ``bf16_stream``: the residual stream is bf16 (a frozen
-    base kept in bf16, :func:`giantmodel.planner.frozen.bf16_residual`).
-    ``dense_window``: a sliding window runs as SDPA with a dense band (the
+    keeps them all). ``dense_window``: a sliding window runs as SDPA with a dense band (the
     CPU, unless the sequence is long enough for the blocked kernel,
     :func:`dense_band`), which turns the boolean band into a [s, s] additive
     mask in the compute dtype and keeps it (one per block, broadcast over
     the batch)."""
     key = (_model_key(m), m.dropout, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
-           recomputed, bf16_stream, dense_window)
+           recomputed, dense_window)
     if key not in _ACTS:
         _ACTS[key] = _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp,
-                                             cp, lora, recomputed, bf16_stream)
+                                             cp, lora, recomputed)
         if dense_window and mode == "none" and dense_band(m, seq_len) and cp == 1:
             _ACTS[key]["attention.window_mask"] = DTYPE_BYTES[precision] * seq_len ** 2
     return dict(_ACTS[key])
@@ -415,12 +412,11 @@ def _matmul_output(name: str) -> str:
 
 
 def _layer_activation_bytes(m, precision, mode, micro_batch, seq_len, tp, sp, cp, lora,
-                            recomputed=(), bf16_stream=False):
+                            recomputed=()):
     tokens = micro_batch * seq_len / cp
-    terms = layer_terms(m, precision, lora, bf16_stream)
+    terms = layer_terms(m, precision, lora)
     # the residual stream is in the compute dtype (a bf16 frozen base's too)
-    block_input = Term("block.input", (2 if bf16_stream else DTYPE_BYTES[precision])
-                       * m.hidden_size, "seq")
+    block_input = Term("block.input", DTYPE_BYTES[precision] * m.hidden_size, "seq")
     if mode == "full":  # the checkpoint keeps the block input (the residual)
         return {"block.input": term_bytes(block_input, tokens, tp, sp, cp)}
     if mode == "selective":
@@ -731,11 +727,9 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len
     lora = (layout.lora_rank, layout.lora_paths) if layout.lora_rank else None
-    bf16_stream = bf16_residual(layout, _lora_sharded(layout, style,
-                                                      layout_strategy(table, layout, hw)))
     by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
                                             layout.sp, layout.cp, lora, recomputed,
-                                            bf16_stream, not on_accelerator(hw))
+                                            not on_accelerator(hw))
                for mode in set(modes) | {"none", layout.recompute}}
     if layout.cp == 1:   # Gemma 2's capped scores on the math path (no recompute keeps them)
         capped = softcap_score_bytes(m, layout.precision, b, s, layout.tp, on_accelerator(hw))

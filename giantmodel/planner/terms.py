@@ -22,8 +22,8 @@ class Term:
     """K/V tensor: all-gathered over context parallelism, so cp times longer."""
 
 
-def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = None,
-                bf16_stream: bool = False) -> list[Term]:
+def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = None
+                ) -> list[Term]:
     """Saved tensors of one transformer block (see the module docstring), as
     :mod:`giantmodel.models.common.fused` keeps them. The residual stream is
     in the compute dtype (``c`` bytes), so are the norms' outputs, and each
@@ -31,8 +31,7 @@ def layer_terms(m, precision: str, lora: tuple[int, tuple[str, ...]] | None = No
     q|k|v and gate|up GEMMs keep their one input (sharded along the
     sequence under sp: 'seq'); the gated activation keeps gate and up.
     ``lora`` = (rank, adapted paths): the block's base is frozen (see
-    :func:`_frozen_base_terms`). ``bf16_stream`` is kept for callers: the
-    stream is now always in the compute dtype. GPT's LayerNorm keeps its
+    :func:`_frozen_base_terms`). GPT's LayerNorm keeps its
     input, mean and rstd; its MLP (an autocast linear) reads the norm's
     compute-dtype output without a cast."""
     c = DTYPE_BYTES[precision]
