@@ -137,7 +137,7 @@ def test_convert_cli_both_ways_and_lora_merge(tmp_path):
     """HF -> giantmodel run -> HF with the CLI keeps the family and logits;
     a LoRA run over each base merges (--merge-lora) into a HF model that
     transformers runs like giantmodel does."""
-    from test_families_layouts import _lora_run
+    from hf_helpers import lora_run_dir
 
     from giantmodel.checkpoint import load_model_from_checkpoint
 
@@ -156,7 +156,7 @@ def test_convert_cli_both_ways_and_lora_merge(tmp_path):
         model = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
         assert (_logits(model, tokens) - _logits(hf, tokens)).abs().max().item() <= TOL, case
         lora, merged = tmp_path / f"{case}-lora", tmp_path / f"{case}-merged"
-        _lora_run(lora, base, {})
+        lora_run_dir(lora, base, ["all_linear"])
         assert main(parser.parse_args([str(lora), str(merged), "--to", "hf",
                                        "--merge-lora"])) == 0
         ours = _logits(load_model_from_checkpoint(lora), tokens)
