@@ -636,6 +636,7 @@ int gm_alltoallv(void* h, const void* in, void* out, const int64_t* send_bytes,
         for (int r = 0; r < W; ++r) {
           const int64_t want = c->sizes(r, g)[W + q];
           if (sent[r] != want || sent[r] < 0) {
+            // giantmodel/comm/shm.py reads the pair and sizes back out of this text
             c->error = "all_to_all split sizes disagree: local rank " + std::to_string(q) +
                        " sends " + std::to_string(sent[r]) + " bytes to local rank " +
                        std::to_string(r) + ", which expects " + std::to_string(want);

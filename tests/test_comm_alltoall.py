@@ -81,15 +81,31 @@ def _check_group(rank, group, ref, ranks, seed):
 
 
 def _mismatch(rank, group, ref):
-    """Split sizes that disagree between ranks fail on every rank of a host,
-    and the group still works afterwards."""
+    """Split sizes that disagree between two ranks fail on every rank of the
+    group alike, before any data moves, with one line naming both ranks,
+    both sizes and the rule; the group still works afterwards. On one host
+    the core checks them; across nodes the size exchange ahead of the
+    network leg does, for a pair on two nodes and a pair on one."""
     w = group.size()
-    send = [1] * w
-    recv = [1] * w
-    if rank == 0:
-        recv[w - 1] = 2  # expects one row more than rank w-1 sends it
-    with pytest.raises(CommArgError, match="split sizes disagree"):
-        dist.all_to_all_single(torch.empty(sum(recv)), torch.ones(w), recv, send, group=group)
+    for src in sorted({w - 1, 1}):
+        send, recv = [1] * w, [1] * w
+        if rank == 0:
+            recv[src] = 2  # expects one row more than rank src sends it
+        with pytest.raises(CommArgError) as err:
+            dist.all_to_all_single(torch.empty(sum(recv), 2), torch.ones(w, 2), recv, send,
+                                   group=group)
+        msg = str(err.value)
+        assert "\n" not in msg, msg
+        assert (f"rank {src} sends rank 0 1 row (input_split_sizes[0] on rank {src}) but "
+                f"rank 0 expects 2 rows from rank {src} (output_split_sizes[{src}] on rank 0)"
+                in msg), msg
+        assert "rank a's input_split_sizes[b] == rank b's output_split_sizes[a]" in msg, msg
+    # the list form names its tensors, in elements
+    ins = [torch.ones(3 if (rank, d) == (w - 1, 0) else 2) for d in range(w)]
+    with pytest.raises(CommArgError, match=rf"rank {w - 1} sends rank 0 3 elements "
+                                           rf"\(input_tensors\[0\]\.numel\(\) on rank {w - 1}\) "
+                                           rf"but rank 0 expects 2 elements"):
+        dist.all_to_all([torch.empty(2) for _ in range(w)], ins, group=group)
     with pytest.raises(ValueError, match="split sizes"):
         dist.all_to_all_single(torch.empty(w), torch.ones(w), [1] * w, [2] * w, group=group)
     m = _matrices(w, 3)[0]
@@ -122,8 +138,7 @@ def _worker(rank, world):
             inner = giant._shm.all_to_all_v
             giant._shm.all_to_all_v = lambda *a, _f=inner, _k=k: (calls.append(_k), _f(*a))[1]
         _check_group(rank, giant, gloo, ranks, seed=k)
-        if not hier:
-            _mismatch(ranks.index(rank), giant, gloo)
+        _mismatch(ranks.index(rank), giant, gloo)
     for _, giant, _ in groups:
         if giant is not None and hasattr(giant, "shutdown"):
             giant.shutdown()

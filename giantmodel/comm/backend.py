@@ -38,7 +38,16 @@ from giantmodel.comm.cuda_reduce import CpuReduce
 from giantmodel.comm.engine import CollectiveEngine
 from giantmodel.comm.hierarchical import HierarchicalAllReduce
 from giantmodel.comm.settings import GiantOptions, default_chunk_bytes
-from giantmodel.comm.shm import DTYPE_CODES, OP_AVG, OP_MAX, OP_MIN, OP_SUM, CommError, ShmGroup
+from giantmodel.comm.shm import (
+    DTYPE_CODES,
+    OP_AVG,
+    OP_MAX,
+    OP_MIN,
+    OP_SUM,
+    CommError,
+    ShmGroup,
+    SplitMismatch,
+)
 from giantmodel.comm.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -491,7 +500,7 @@ class GiantProcessGroup(dist.ProcessGroup):
             inp = input.contiguous()
             out = output if output.is_contiguous() else torch.empty(
                 output.shape, dtype=output.dtype)
-            self._all_to_all_bytes(inp, out, send, recv)
+            self._all_to_all_bytes(inp, out, send, recv, _row_bytes(input), _SINGLE)
             if out is not output:
                 output.copy_(out)
             return [output]
@@ -514,21 +523,29 @@ class GiantProcessGroup(dist.ProcessGroup):
         def job():
             inp = torch.cat([t.reshape(-1) for t in input_tensors])
             out = torch.empty(sum(t.numel() for t in output_tensors), dtype=inp.dtype)
-            self._all_to_all_bytes(inp, out, send, recv)
+            self._all_to_all_bytes(inp, out, send, recv, size, _LIST)
             for o, got in zip(output_tensors, out.split([t.numel() for t in output_tensors])):
                 o.copy_(got.view(o.shape))
             return list(output_tensors)
         return self._launch("all_to_all", list(input_tensors), job, opts)
 
     def _all_to_all_bytes(self, inp: torch.Tensor, out: torch.Tensor, send: list[int],
-                          recv: list[int]) -> None:
+                          recv: list[int], unit: int, form: tuple[str, str, str]) -> None:
         """``send``/``recv``: bytes per group rank, blocks back to back in
-        rank order in the contiguous ``inp``/``out``."""
-        if self.topology.num_nodes > 1:
-            self._hier.all_to_all(inp.view(-1).view(torch.uint8),
-                                  out.view(-1).view(torch.uint8), send, recv)
-        else:
-            self._shm.all_to_all_v(inp, out, send, recv)
+        rank order in the contiguous ``inp``/``out``. ``unit`` and ``form``
+        say how the caller counted them, for the error on a mismatch."""
+        try:
+            if self.topology.num_nodes > 1:
+                self._hier.all_to_all(inp.view(-1).view(torch.uint8),
+                                      out.view(-1).view(torch.uint8), send, recv)
+            else:
+                self._shm.all_to_all_v(inp, out, send, recv)
+        except SplitMismatch as e:
+            src, dst = e.src, e.dst
+            if self.topology.num_nodes == 1:  # the core names local ranks
+                src, dst = self.topology.nodes[0][src], self.topology.nodes[0][dst]
+            raise SplitMismatch(src, dst, e.sent, e.want,
+                                _mismatch_message(src, dst, e.sent, e.want, unit, form)) from None
 
     def barrier(self, opts=None):
         if self._shm is None or self.topology.num_nodes > 1:
@@ -630,7 +647,7 @@ def _split_bytes(t: torch.Tensor, splits, world: int, side: str) -> list[int]:
     0) for rank r, or equal shares without splits. Checked on the calling
     rank as gloo checks them, before any peer is waited for."""
     rows = t.size(0)
-    row_bytes = t.element_size() * math.prod(t.shape[1:])
+    row_bytes = _row_bytes(t)
     if not splits:
         if rows % world:
             raise ValueError(f"all_to_all: the {side} tensor's {rows} rows (dim 0) do not "
@@ -641,6 +658,39 @@ def _split_bytes(t: torch.Tensor, splits, world: int, side: str) -> list[int]:
         raise ValueError(f"all_to_all: {side} split sizes {splits} must be {world} numbers "
                          f">= 0 summing to the tensor's {rows} rows (dim 0)")
     return [n * row_bytes for n in splits]
+
+
+# How each all-to-all form names a pair's split sizes: (what rank a sends b,
+# what rank b expects from a, unit) -- the error shows the caller's own names.
+_SINGLE = ("input_split_sizes[{b}]", "output_split_sizes[{a}]", "row")
+_LIST = ("input_tensors[{b}].numel()", "output_tensors[{a}].numel()", "element")
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.element_size() * math.prod(t.shape[1:])
+
+
+def _mismatch_message(a: int, b: int, sent: int, want: int, unit: int,
+                      form: tuple[str, str, str]) -> str:
+    """One line: the pair, both sizes in the caller's units (bytes when
+    they do not divide: the peer's rows or dtype differ), and the rule."""
+    send_name, recv_name, noun = form
+
+    def count(nbytes: int) -> str:
+        if unit > 0 and nbytes % unit == 0:
+            k = nbytes // unit
+            return f"{k} {noun}{'' if k == 1 else 's'}"
+        return f"{nbytes} bytes"
+
+    sent_as = send_name.format(a=a, b=b)
+    want_as = recv_name.format(a=a, b=b)
+    rule_send = send_name.format(a="a", b="b")
+    rule_recv = recv_name.format(a="a", b="b")
+    return (f"all_to_all split sizes disagree: rank {a} sends rank {b} {count(sent)} "
+            f"({sent_as} on rank {a}) but rank {b} expects {count(want)} from rank {a} "
+            f"({want_as} on rank {b}); the split sizes must agree pairwise, rank a's "
+            f"{rule_send} == rank b's {rule_recv} for every pair of group ranks a, b "
+            f"(exchange the counts first, e.g. with an all_to_all_single of the split sizes)")
 
 
 def _ar_opts(op) -> dist.AllreduceOptions:

@@ -31,6 +31,9 @@ DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2,
 OP_SUM, OP_AVG, OP_MAX, OP_MIN = range(4)
 _SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^giantmodel-(\d+)-[0-9a-f]+$")
+# gm_alltoallv's message for a pair that disagrees (csrc/giant_shm.cpp)
+_MISMATCH_RE = re.compile(r"local rank (\d+) sends (-?\d+) bytes to local rank (\d+), "
+                          r"which expects (-?\d+)")
 
 
 class CommError(RuntimeError):
@@ -41,6 +44,18 @@ class CommArgError(CommError):
     """A collective refused its arguments on every rank alike before moving
     any data (split sizes that disagree between ranks): the group stays
     usable, unlike after a :class:`CommError`."""
+
+
+class SplitMismatch(CommArgError):
+    """An all-to-all whose split sizes disagree for one pair of ranks:
+    ``src`` sends ``sent`` bytes to ``dst``, which expects ``want``. Raised on
+    every rank of the collective alike, before any data moves; the backend
+    rewrites it in group ranks and the caller's units."""
+
+    def __init__(self, src: int, dst: int, sent: int, want: int, message: str | None = None):
+        self.src, self.dst, self.sent, self.want = src, dst, sent, want
+        super().__init__(message or f"all_to_all split sizes disagree: rank {src} sends "
+                                    f"{sent} bytes to rank {dst}, which expects {want}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -250,7 +265,14 @@ class ShmGroup:
         base, size = ctypes.addressof(arrays), ctypes.sizeof(ctypes.c_int64) * w
         rc = self.lib.gm_alltoallv(self._h(), inp.data_ptr(), out.data_ptr(), base,
                                    base + size, base + 2 * size, base + 3 * size)
-        self._check(rc, "all_to_all")
+        try:
+            self._check(rc, "all_to_all")
+        except CommArgError as e:
+            m = _MISMATCH_RE.search(str(e))
+            if m is None:
+                raise
+            q, sent, r, want = map(int, m.groups())
+            raise SplitMismatch(q, r, sent, want, str(e)) from None
 
     def barrier(self) -> None:
         self._check(self.lib.gm_barrier(self._h()), "barrier")
