@@ -7,7 +7,12 @@ fp32, one thread per rank. giantmodel's ``MoE`` gets
 mesh (4 experts per rank, the real count + row all-to-alls);
 DeepSpeed's ``deepspeed.moe.layer.MoE(hidden, expert=<SwiGLU MLP>,
 num_experts=8, ep_size=2, k=2)`` gets the same weights (rank r holds global
-experts 4r..4r+3 in both). Two DeepSpeed settings are run:
+experts 4r..4r+3 in both). giantmodel runs twice: its ep group on the
+same gloo group as DeepSpeed (``giantmodel``, the like-for-like ratio) and
+on the ``giant`` backend (``giantmodel_giant``: what giantmodel picks by
+default for several CPU ranks on one host, ``comm.backend: auto``; its
+shared-memory all-to-all; outputs bit-equal to the gloo run). Two DeepSpeed
+settings are run:
 
 * ``deepspeed``: ``drop_tokens=False`` and no Gumbel sampling of the 2nd
   expert, the same routing as giantmodel (dropless, deterministic top-2),
@@ -20,7 +25,16 @@ benchmarks/peers/venvs.py, which reuses the system torch), so a rep runs
 each layer once, alternating the order every rep; a rep's time is the
 slowest rank's; the table gives medians and tokens/s over both ranks.
 
-    PYTHONPATH=. python benchmarks/moe_ep_deepspeed.py [--reps 7] [--json out.json]
+Each ``--dtype`` (fp32, bf16: every layer's weights, input and gradients
+in it) is its own comparison, run in the same two processes one after the
+other. In bf16 the routers see bf16 inputs; DeepSpeed's gate runs in bf16
+and giantmodel's in fp32, so near-tied tokens may pick other experts and
+the outputs are compared relative to their norm (within 0.1; fp32: max
+|difference|). Both processes keep freed heap memory between steps as
+giantmodel's training does (``core.hostmem``), for every layer alike.
+
+    PYTHONPATH=. python benchmarks/moe_ep_deepspeed.py [--reps 7] [--dtype fp32,bf16]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,9 +66,13 @@ def _weights(shape: dict):
     return gate, w1, w3, w2
 
 
-def build_giantmodel(shape: dict, weights):
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def build_giantmodel(shape: dict, weights, group=None):
+    """giantmodel's layer over an ep mesh on ``group`` (None: the default gloo group)."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from giantmodel.config.moe import MoEConfig
     from giantmodel.models.common.moe import MoE
@@ -70,7 +88,9 @@ def build_giantmodel(shape: dict, weights):
         moe.experts.w3.copy_(w3)
         moe.experts.w2.copy_(w2)
     moe.init_buffers()
-    apply_expert_parallel(moe, init_device_mesh("cpu", (shape["ep"],), mesh_dim_names=("ep",)))
+    mesh = (init_device_mesh("cpu", (shape["ep"],), mesh_dim_names=("ep",)) if group is None
+            else DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ep",)))
+    apply_expert_parallel(moe, mesh)
     return moe.train()
 
 
@@ -118,24 +138,61 @@ def _step(name: str, layer, x, grad):
     return y.detach(), x.grad
 
 
-def rank_main(rank: int, world: int, shape: dict, reps: int, warmup: int) -> dict:
+def _diff(a, b) -> float:
+    """max |a - b| in fp32; |a - b| / |b| (norms) in a 2-byte dtype."""
+    import torch
+
+    a, b = a.double(), b.double()
+    return (a - b).abs().max().item() if a.dtype == torch.float32 else \
+        ((a - b).norm() / b.norm()).item()
+
+
+def rank_main(rank: int, world: int, shape: dict, reps: int, warmup: int,
+              dtypes: list[str]) -> dict:
     import deepspeed
     import torch
     import torch.distributed as dist
 
+    from giantmodel import comm
+    from giantmodel.core.hostmem import keep_freed_host_memory
+
     torch.set_num_threads(1)
+    keep_freed_host_memory()
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the gloo group run_ranks made
+    comm.register_backend()
+    giant = dist.new_group(backend="giant")
+    return {dtype: _compare(rank, world, shape, reps, warmup, getattr(torch, DTYPES[dtype]), giant)
+            for dtype in dtypes}
+
+
+def _compare(rank: int, world: int, shape: dict, reps: int, warmup: int, dtype,
+             giant) -> dict:
+    """One dtype's comparison: build the layers, check, time."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
     weights = _weights(shape)
     layers = {"giantmodel": build_giantmodel(shape, weights),
+              "giantmodel_giant": build_giantmodel(shape, weights, giant),
               "deepspeed": build_deepspeed(shape, weights, rank, dropless=True),
               "deepspeed_cf1": build_deepspeed(shape, weights, rank, dropless=False)}
+    for layer in layers.values():
+        layer.to(dtype)
+    for name in ("giantmodel", "giantmodel_giant"):
+        layers[name].init_buffers()   # the router's bias and statistics stay fp32
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
     x = torch.randn(1, shape["tokens"], shape["hidden"], generator=g)
     grad = torch.randn(x.shape, generator=g) / (world * shape["tokens"]) ** 0.5
+    x, grad = x.to(dtype), grad.to(dtype)
     ref = _step("giantmodel", layers["giantmodel"], x, grad)
     got = _step("deepspeed", layers["deepspeed"], x, grad)
-    diff = {"out": (ref[0] - got[0]).abs().max().item(),
-            "grad_x": (ref[1] - got[1]).abs().max().item()}
+    diff = {"out": _diff(ref[0], got[0]), "grad_x": _diff(ref[1], got[1])}
+    same = _step("giantmodel_giant", layers["giantmodel_giant"], x, grad)
+    if not (torch.equal(same[0], ref[0]) and torch.equal(same[1], ref[1])):
+        raise RuntimeError("giantmodel on the giant backend differs from giantmodel on gloo")
+    if max(diff.values()) > (1e-5 if dtype == torch.float32 else 1e-1):
+        raise RuntimeError(f"giantmodel and dropless DeepSpeed differ ({dtype}): {diff}")
     sys.path.insert(0, str(HERE))
     from moe_reps import alternating_reps
 
@@ -157,17 +214,20 @@ def worker(a) -> None:
     from giantmodel.testing import run_ranks
 
     shape = dict(SHAPE, tokens=a.tokens)
-    res = run_ranks(rank_main, shape["ep"], shape, a.reps, a.warmup, timeout=1800,
-                    pg_timeout=600)[0]
+    every = run_ranks(rank_main, shape["ep"], shape, a.reps, a.warmup, a.dtype.split(","),
+                      timeout=1800, pg_timeout=600)[0]
     n = shape["tokens"] * shape["ep"]
-    median = {k: statistics.median(v) for k, v in res["times_s"].items()}
-    res.update(shape=shape, reps=a.reps, warmup=a.warmup, threads_per_rank=1, ranks=shape["ep"],
-               backend="gloo", machine=platform.processor() or platform.machine(),
-               median_s=median, tokens_per_s={k: n / v for k, v in median.items()},
-               ratio_vs={k: v / median["giantmodel"] for k, v in median.items()
-                         if k != "giantmodel"})
-    res["ratio"] = res["ratio_vs"]["deepspeed"]
-    Path(a.worker_out).write_text(json.dumps(res, indent=1))
+    for dtype, res in every.items():
+        median = {k: statistics.median(v) for k, v in res["times_s"].items()}
+        res.update(shape=shape, dtype=dtype, reps=a.reps, warmup=a.warmup, threads_per_rank=1,
+                   ranks=shape["ep"], backend="gloo",
+                   machine=platform.processor() or platform.machine(),
+                   median_s=median, tokens_per_s={k: n / v for k, v in median.items()},
+                   ratio_vs={k: v / median["giantmodel"] for k, v in median.items()
+                             if k != "giantmodel"})
+        res["ratio"] = res["ratio_vs"]["deepspeed"]
+        res["ratio_giant_backend"] = median["deepspeed"] / median["giantmodel_giant"]
+    Path(a.worker_out).write_text(json.dumps(every, indent=1))
 
 
 def main(argv=None) -> int:
@@ -175,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tokens", type=int, default=SHAPE["tokens"], help="tokens per rank")
+    p.add_argument("--dtype", default="fp32,bf16",
+                   help="comma-separated precisions, each a separate comparison: fp32, bf16")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -193,24 +255,29 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "res.json"
         cmd = [str(ds_python), __file__, "--reps", str(a.reps), "--warmup", str(a.warmup),
-               "--tokens", str(a.tokens), "--worker-out", str(out)]
+               "--tokens", str(a.tokens), "--dtype", a.dtype, "--worker-out", str(out)]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if run.returncode != 0:
             print(f"DeepSpeed-MoE side failed ({run.returncode}):\n{run.stdout[-4000:]}"
                   f"{run.stderr[-6000:]}")
             return 1
-        res = json.loads(out.read_text())
-    s = res["shape"]
-    print(f"MoE layer fwd+bwd at ep{s['ep']} on {s['ep']} gloo ranks, fp32, hidden {s['hidden']} "
-          f"ffn {s['ffn']} {s['experts']} experts top-{s['top_k']}, {s['tokens']} tokens/rank, "
-          f"1 thread/rank, median of {res['reps']} (DeepSpeed {res['deepspeed']})")
-    print(f"max |diff| giantmodel vs dropless DeepSpeed (rank 0): {res['max_abs_diff']}")
+        every = json.loads(out.read_text())
     sys.path.insert(0, str(HERE))
     from moe_reps import print_table
 
-    print_table(res)
+    for dtype, res in every.items():
+        s = res["shape"]
+        print(f"MoE layer fwd+bwd at ep{s['ep']} on {s['ep']} gloo ranks, {dtype}, hidden "
+              f"{s['hidden']} ffn {s['ffn']} {s['experts']} experts top-{s['top_k']}, "
+              f"{s['tokens']} tokens/rank, 1 thread/rank, median of {res['reps']} "
+              f"(DeepSpeed {res['deepspeed']})")
+        kind = "max |diff|" if dtype == "fp32" else "relative diff"
+        print(f"{kind} giantmodel vs dropless DeepSpeed (rank 0): {res['max_abs_diff']}")
+        print_table(res)
+        print(f"dropless DeepSpeed (gloo) / giantmodel: {res['ratio']:.2f}x on gloo, "
+              f"{res['ratio_giant_backend']:.2f}x on the giant backend\n")
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        Path(a.json).write_text(json.dumps(every, indent=1))
     return 0
 
 

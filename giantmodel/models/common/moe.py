@@ -189,70 +189,89 @@ class _ExpertLoop(torch.autograd.Function):
     through its SwiGLU ``w2(silu(x w1) * x w3)``; the stacked weights stay
     [E, in, out].
 
-    The same matmuls and element-wise kernels as autograd would run, with
-    fewer fresh buffers (on the CPU a large allocation is page faults each
-    time): each expert's output and each gradient is written in place into
-    one [M, *] or [E, in, out] tensor (no cat of E outputs, no stack of E
-    weight gradients, no zero-filled rows for an expert's index), and the
-    backward's element-wise steps reuse two scratch buffers. Saved tensors
-    are never modified, so a second backward (zero-bubble pipelines split
-    the input and weight gradients) gives the same result. Saved, as
-    autograd would: each expert's rows' ``x w1``, ``x w3``, ``silu(x w1)``
-    and gated product."""
+    The matmuls run one expert at a time, writing into row ranges of tensors
+    that hold every routed row (each output and weight gradient lands in
+    place: no cat of E outputs, no stack of E weight gradients); the
+    element-wise steps between them run once over all rows, not once per
+    expert (on the CPU each call of a bf16 kernel costs more than its
+    per-row work at these sizes). Saved tensors are never modified, so a
+    second backward (zero-bubble pipelines split the input and weight
+    gradients) gives the same result. Saved, as autograd would save them:
+    ``x w1``, ``x w3``, ``silu(x w1)`` and the gated product of every
+    routed row."""
 
     @staticmethod
     def forward(ctx, x, counts: list[int], w1, w3, w2):
-        num_experts = w1.shape[0]
+        spans = _spans(counts, w1.shape[0])
+        routed = sum(counts[:w1.shape[0]])
+        a, b = (x.new_empty(routed, w1.shape[2]) for _ in range(2))
+        for e, s, n in spans:
+            torch.mm(x[s:s + n], w1[e], out=a[s:s + n])
+            torch.mm(x[s:s + n], w3[e], out=b[s:s + n])
+        sa = F.silu(a)
+        h = sa * b
         out = x.new_empty(x.shape[0], w2.shape[2])
-        spans, saved, start = [], [], 0
-        for e, n in enumerate(counts[:num_experts]):
-            if n:
-                xe = x[start:start + n]
-                a, b = torch.mm(xe, w1[e]), torch.mm(xe, w3[e])
-                sa = F.silu(a)
-                h = sa * b
-                torch.mm(h, w2[e], out=out[start:start + n])
-                spans.append((e, start, n))
-                saved += [a, b, sa, h]
-            start += n
-        out[start:].zero_()  # dropped rows: never read
-        ctx.spans, ctx.routed = spans, start
-        ctx.save_for_backward(x, w1, w3, w2, *saved)
+        for e, s, n in spans:
+            torch.mm(h[s:s + n], w2[e], out=out[s:s + n])
+        out[routed:].zero_()  # dropped rows: never read
+        ctx.spans, ctx.routed = spans, routed
+        ctx.save_for_backward(x, w1, w3, w2, a, b, sa, h)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w3, w2, *saved = ctx.saved_tensors
+        x, w1, w3, w2, a, b, sa, h = ctx.saved_tensors
         need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
+        spans, routed = ctx.spans, ctx.routed
         grad_out = grad_out.contiguous()
-        # every row and expert is written below but those no expert ran
-        gx = x.new_empty(x.shape) if need_x else None
-        gw = [w.new_empty(w.shape) if need else None
+        gw = [_expert_grad(w, spans) if need else None
               for w, need in ((w1, need_w1), (w3, need_w3), (w2, need_w2))]
-        ran = {e for e, _, _ in ctx.spans}
-        for g in gw:
-            for e in (e for e in range(w1.shape[0]) if g is not None and e not in ran):
-                g[e].zero_()
-        if gx is not None:
-            gx[ctx.routed:].zero_()  # the experts' rows run from 0, dropped rows after
-        rows = max((n for _, _, n in ctx.spans), default=0)
-        scratch = x.new_empty(3, rows, w1.shape[2])
-        for i, (e, start, n) in enumerate(ctx.spans):
-            a, b, sa, h = saved[4 * i:4 * i + 4]
-            xe, ge = x[start:start + n], grad_out[start:start + n]
+        gh = a.new_empty(a.shape)                                              # d h
+        for e, s, n in spans:
+            torch.mm(grad_out[s:s + n], w2[e].t(), out=gh[s:s + n])
             if need_w2:
-                torch.mm(h.t(), ge, out=gw[2][e])
-            gh = torch.mm(ge, w2[e].t(), out=scratch[0, :n])                   # d h
-            g_b = torch.mul(sa, gh, out=scratch[1, :n])                        # d (x w3)
-            g_a = torch.ops.aten.silu_backward.grad_input(gh.mul_(b), a,
-                                                          grad_input=scratch[2, :n])
+                torch.mm(h[s:s + n].t(), grad_out[s:s + n], out=gw[2][e])
+        g_b = sa * gh                                                          # d (x w3)
+        g_a = torch.ops.aten.silu_backward.grad_input(gh.mul_(b), a, grad_input=gh)  # d (x w1)
+        gx = None
+        if need_x:
+            gx = x.new_empty(x.shape)
+            gx[routed:].zero_()  # the experts' rows run from 0, dropped rows after
+        # In 2-byte dtypes the CPU's GEMM runs a transposed left operand at
+        # 0.6-0.8x its rate; one contiguous copy of an expert's rows serves both.
+        copy_xt = x.device.type == "cpu" and x.dtype.itemsize == 2
+        for e, s, n in spans:
+            xe = x[s:s + n]
             if need_x:
-                torch.mm(g_a, w1[e].t(), out=gx[start:start + n]).addmm_(g_b, w3[e].t())
-            if need_w1:
-                torch.mm(xe.t(), g_a, out=gw[0][e])
-            if need_w3:
-                torch.mm(xe.t(), g_b, out=gw[1][e])
+                torch.mm(g_a[s:s + n], w1[e].t(), out=gx[s:s + n]).addmm_(g_b[s:s + n], w3[e].t())
+            if need_w1 or need_w3:
+                xt = xe.t().contiguous() if copy_xt else xe.t()
+                if need_w1:
+                    torch.mm(xt, g_a[s:s + n], out=gw[0][e])
+                if need_w3:
+                    torch.mm(xt, g_b[s:s + n], out=gw[1][e])
         return gx, None, *gw
+
+
+def _spans(counts: list[int], num_experts: int) -> list[tuple[int, int, int]]:
+    """(expert, first row, rows) of each expert that receives rows."""
+    spans, start = [], 0
+    for e, n in enumerate(counts[:num_experts]):
+        if n:
+            spans.append((e, start, n))
+        start += n
+    return spans
+
+
+def _expert_grad(w: torch.Tensor, spans) -> torch.Tensor:
+    """An uninitialised gradient for stacked weights ``w``, zero for the
+    experts that received no rows (the others are written whole)."""
+    g = w.new_empty(w.shape)
+    ran = {e for e, _, _ in spans}
+    for e in range(w.shape[0]):
+        if e not in ran:
+            g[e].zero_()
+    return g
 
 
 class _GatherRows(torch.autograd.Function):
