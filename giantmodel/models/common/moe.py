@@ -191,10 +191,10 @@ class _ExpertLoop(torch.autograd.Function):
 
     The matmuls run one expert at a time, writing into row ranges of tensors
     that hold every routed row (each output and weight gradient lands in
-    place: no cat of E outputs, no stack of E weight gradients); the
-    element-wise steps between them run once over all rows, not once per
-    expert (on the CPU each call of a bf16 kernel costs more than its
-    per-row work at these sizes). Saved tensors are never modified, so a
+    place: no cat of E outputs, no stack of E weight gradients, no fresh
+    buffer per expert); the forward's element-wise steps run once over all
+    rows, the backward's per expert in two scratch buffers of the largest
+    expert's rows (a transient of 2 x rows x ffn, not the routed rows'). Saved tensors are never modified, so a
     second backward (zero-bubble pipelines split the input and weight
     gradients) gives the same result. Saved, as autograd would save them:
     ``x w1``, ``x w3``, ``silu(x w1)`` and the gated product of every
@@ -226,13 +226,6 @@ class _ExpertLoop(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         gw = [_expert_grad(w, spans) if need else None
               for w, need in ((w1, need_w1), (w3, need_w3), (w2, need_w2))]
-        gh = a.new_empty(a.shape)                                              # d h
-        for e, s, n in spans:
-            torch.mm(grad_out[s:s + n], w2[e].t(), out=gh[s:s + n])
-            if need_w2:
-                torch.mm(h[s:s + n].t(), grad_out[s:s + n], out=gw[2][e])
-        g_b = sa * gh                                                          # d (x w3)
-        g_a = torch.ops.aten.silu_backward.grad_input(gh.mul_(b), a, grad_input=gh)  # d (x w1)
         gx = None
         if need_x:
             gx = x.new_empty(x.shape)
@@ -240,16 +233,24 @@ class _ExpertLoop(torch.autograd.Function):
         # In 2-byte dtypes the CPU's GEMM runs a transposed left operand at
         # 0.6-0.8x its rate; one contiguous copy of an expert's rows serves both.
         copy_xt = x.device.type == "cpu" and x.dtype.itemsize == 2
+        # two scratch buffers of the largest expert's rows: d h (then d (x w1)), d (x w3)
+        scratch = a.new_empty(2, max((n for _, _, n in spans), default=0), a.shape[1])
         for e, s, n in spans:
-            xe = x[s:s + n]
+            xe, ge = x[s:s + n], grad_out[s:s + n]
+            if need_w2:
+                torch.mm(h[s:s + n].t(), ge, out=gw[2][e])
+            gh = torch.mm(ge, w2[e].t(), out=scratch[0, :n])                        # d h
+            g_b = torch.mul(sa[s:s + n], gh, out=scratch[1, :n])                     # d (x w3)
+            g_a = torch.ops.aten.silu_backward.grad_input(gh.mul_(b[s:s + n]), a[s:s + n],
+                                                          grad_input=gh)             # d (x w1)
             if need_x:
-                torch.mm(g_a[s:s + n], w1[e].t(), out=gx[s:s + n]).addmm_(g_b[s:s + n], w3[e].t())
+                torch.mm(g_a, w1[e].t(), out=gx[s:s + n]).addmm_(g_b, w3[e].t())
             if need_w1 or need_w3:
                 xt = xe.t().contiguous() if copy_xt else xe.t()
                 if need_w1:
-                    torch.mm(xt, g_a[s:s + n], out=gw[0][e])
+                    torch.mm(xt, g_a, out=gw[0][e])
                 if need_w3:
-                    torch.mm(xt, g_b[s:s + n], out=gw[1][e])
+                    torch.mm(xt, g_b, out=gw[1][e])
         return gx, None, *gw
 
 
