@@ -28,10 +28,10 @@ local rank j exchanges with local rank j of every other node, one message per
 node pair and L such exchanges at once. Every block crosses the network at
 most once, as in a flat all-to-all, but each rank talks to N-1 peers over TCP
 instead of NL-1, and blocks between ranks of one node never touch a socket.
-Before any block moves, every rank learns every rank's split sizes (a small
-gloo all-gather of 2(NL) int64 per rank, then the node's shared-memory
-all-gather that the plan needs anyway), so split sizes that disagree between
-two ranks fail on every rank alike instead of inside gloo's exchange.
+Before any block crosses the network every rank learns every rank's split
+sizes (a gloo all-gather of 2NL int64 per rank, overlapped with the
+shared-memory leg, then a shared-memory all-gather), so split sizes that
+disagree between two ranks fail on every rank alike, not inside gloo.
 """
 
 from __future__ import annotations
@@ -81,7 +81,6 @@ class HierarchicalAllReduce:
         # consecutive ranks (Slurm's cyclic distribution does not).
         self._order = torch.tensor([node[lr] for lr in range(topo.local_size)
                                     for node in topo.nodes], dtype=torch.long)
-        self._here = torch.tensor(topo.nodes[topo.node_index], dtype=torch.long)
         # Local rank i of every node forms one cross-node group.
         self.cross = dist.ProcessGroupGloo(
             dist.PrefixStore(f"cross/{topo.local_rank}/", store), topo.node_index,
@@ -227,14 +226,27 @@ class HierarchicalAllReduce:
         """Uneven all-to-all of bytes: ``inp`` (uint8, contiguous) holds
         ``send[r]`` bytes for each group rank r back to back, ``out`` gets
         ``recv[r]`` bytes from each. See :func:`plan_all_to_all`."""
-        sizes = self._split_table(send, recv)
-        plan = plan_all_to_all(self.nodes, self.rank, sizes[self._here, 0].tolist(), recv)
+        # The sizes cross the network first (see _check_splits), on gloo's
+        # threads while the shared-memory leg runs: its latency, a thread
+        # hand-off or two more than the exchange below, mostly hides there.
+        w = len(send)
+        mine = torch.tensor([*send, *recv], dtype=torch.int64)
+        across = torch.empty(self.num_nodes * 2 * w, dtype=torch.int64)
+        sizes_sent = self.cross._allgather_base(across, mine)
+        # Local rank j forwards what its node peers send to local index j on
+        # every node; those sizes are theirs, so the node learns them first.
+        table = torch.empty(self.local_size * w, dtype=torch.int64)
+        self.shm.all_gather(mine[:w], table)
+        plan = plan_all_to_all(self.nodes, self.rank, table.view(self.local_size, w).tolist(),
+                               recv)
         stage = self._buffer(torch.uint8, sum(plan.send_local), 0)
         _gather(inp, plan.local_blocks, stage)
         mid = self._buffer(torch.uint8, sum(plan.recv_local), 1)
         self.shm.all_to_all_v(stage, mid, plan.send_local, plan.recv_local)
         stage = self._buffer(torch.uint8, sum(plan.send_cross), 0)
         _gather(mid, plan.cross_blocks, stage)
+        sizes_sent.wait()
+        self._check_splits(across, w)
         # With each node holding consecutive ranks the network leg brings the
         # blocks in rank order, straight into ``out``.
         direct = [b for b in plan.placed if b[1]] == [b for b in zip(offsets(recv), recv) if b[1]]
@@ -247,34 +259,26 @@ class HierarchicalAllReduce:
                 out[start:start + n].copy_(land[at:at + n])
                 at += n
 
-    def _split_table(self, send: list[int], recv: list[int]) -> torch.Tensor:
-        """Every group rank's sizes, ``[r, 0]`` what r sends each rank and
-        ``[r, 1]`` what it expects from each, the same on every rank; raises
-        :class:`SplitMismatch` on all ranks alike when a pair disagrees.
+    def _check_splits(self, across: torch.Tensor, w: int) -> None:
+        """Raise :class:`SplitMismatch` on every rank alike when some rank a
+        sends rank b other than b expects from a. ``across`` holds, node by
+        node, the sizes (sent to each rank, then expected from each) of this
+        local index's rank there.
 
-        Local rank j forwards what its node peers send to local index j on
-        every node, so the node needs their sizes anyway (a shared-memory
-        all-gather). Checking a pair on two nodes needs the sizes to cross
-        the network before the data does: a gloo all-gather of 2W int64 per
-        rank among the local ranks j first, then the shared-memory
-        all-gather carries those rows to the whole node. Without it a
-        mismatch reached gloo's exchange and hung or failed there, on some
-        ranks only."""
-        w, n = len(send), self.num_nodes
-        mine = torch.tensor([*send, *recv], dtype=torch.int64)
-        across = torch.empty(n * 2 * w, dtype=torch.int64)
-        self.cross._allgather_base(across, mine).wait()
-        table = torch.empty(self.local_size * n * 2 * w, dtype=torch.int64)
+        Before the network leg: there a mismatch hung gloo's exchange or
+        failed inside it, on some ranks only. The leg before it is safe: it
+        follows the senders' sizes alone. The shared-memory all-gather gives
+        every rank every rank's sizes, so all reach the same verdict."""
+        table = torch.empty(self.local_size * self.num_nodes * 2 * w, dtype=torch.int64)
         self.shm.all_gather(across, table)
-        # entry l * N + n is local rank l of node n, group rank _order[l * N + n]
+        # entry l * N + n is local rank l of node n: group rank _order[l * N + n]
         sizes = torch.empty(w, 2, w, dtype=torch.int64)
         sizes.index_copy_(0, self._order, table.view(-1, 2, w))
         sent, expected = sizes[:, 0], sizes[:, 1]
         bad = sent != expected.t()
         if bool(bad.any()):
-            a, b = bad.nonzero()[0].tolist()  # the first pair in rank order, as on every rank
+            a, b = bad.nonzero()[0].tolist()  # the first pair in rank order, on every rank
             raise SplitMismatch(a, b, int(sent[a, b]), int(expected[b, a]))
-        return sizes
 
 
 @dataclass(frozen=True)
