@@ -17,17 +17,14 @@ import torch
 from giantmodel.testing import run_ranks
 
 STEPS = 3
-# Under cp the aux losses are means over each rank's part of the
-# sequences, not the whole ones: cp cases balance with the routing bias
-# alone. Every other case has them on (under pp each stage back-propagates
-# its own, through MoE's AuxLossScaler).
-NO_AUX = ["model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0",
-          "model.moe.z_loss_coeff=0"]
+# Every case has the balance losses on: under pp each stage back-propagates
+# its own (MoE's AuxLossScaler); under cp each layer sums their statistics
+# over the cp ranks (MoE.reduce_stats), so they cover whole sequences.
 
 FAST_2 = [
     ["parallel.ep=2"],
     ["parallel.ep=2", "parallel.zero=1"],
-    ["parallel.ep=2", "parallel.cp=2", "parallel.dp=1", *NO_AUX],
+    ["parallel.ep=2", "parallel.cp=2", "parallel.dp=1"],
 ]
 FAST_4 = [
     ["parallel.ep=2", "parallel.dp=4", "parallel.zero=3"],
@@ -55,7 +52,10 @@ SLOW_4 = [
     ["parallel.ep=4", "parallel.zero=1"],
     ["parallel.ep=2", "parallel.tp=2"],
     ["parallel.ep=2", "parallel.tp=2", "parallel.zero=3"],
-    ["parallel.ep=2", "parallel.dp=2", "parallel.cp=2", "parallel.zero=1", *NO_AUX],
+    ["parallel.ep=2", "parallel.dp=2", "parallel.cp=2", "parallel.zero=1"],
+    # cp with pipeline stages (AuxLossScaler weights by each rank's units)
+    # and with whole blocks re-run in backward (the all-reduce re-runs too)
+    ["parallel.ep=2", "parallel.cp=2", "parallel.pp=2", "parallel.dp=1", "recompute=full"],
 ]
 
 

@@ -241,6 +241,55 @@ def test_balance_losses_against_their_definitions_and_transformers():
     torch.testing.assert_close(even["aux_loss"], torch.tensor(1.0))
 
 
+def _routed_losses(router: Router, x: torch.Tensor, cfg: MoEConfig, reduce=None) -> dict:
+    b, t, _ = x.shape
+    route = router(x.reshape(-1, H))
+    loads = torch.bincount(route.experts.reshape(-1), minlength=cfg.num_experts).float()
+    return balance_losses(route, loads, b, t, cfg, reduce)
+
+
+def test_balance_losses_summed_over_sequence_halves_equal_the_whole_batch():
+    """Context parallelism in one process: each half of every sequence is a
+    "rank" whose reduce adds the other half's statistics (kept with their
+    graph, as the all-reduce's backward sums gradients). Each half's losses
+    equal the whole batch's, and the halves weighted by their token shares
+    give the whole batch's gradients."""
+    cfg = MoEConfig(num_experts=8, top_k=2, router="sigmoid", norm_topk_prob=True,
+                    aux_loss_coeff=1.0, seq_aux_loss_coeff=1.0, z_loss_coeff=1.0)
+    torch.manual_seed(0)
+    router = Router(H, cfg)
+    x = torch.randn(3, 12, H, requires_grad=True)
+    # balanced chunks as cp=2 cuts them: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    halves = [torch.cat([x[:, :3], x[:, 9:]], 1), x[:, 3:9]]
+    whole = _routed_losses(router, x, cfg)
+    grads_whole = torch.autograd.grad(sum(whole.values()), [x, router.gate.weight])
+
+    sent = []
+    for half in halves:  # what each rank hands its reduce
+        _routed_losses(router, half, cfg, lambda v: sent.append(v) or v)
+    parts = [_routed_losses(router, half, cfg, lambda v, r=r: v + sent[1 - r])
+             for r, half in enumerate(halves)]
+    assert set(parts[0]) == set(whole) == {"aux_loss", "seq_aux_loss", "z_loss"}
+    for part in parts:
+        for name, value in whole.items():
+            torch.testing.assert_close(part[name], value, rtol=1e-6, atol=0)
+    # each "rank" weights its (identical) losses by its share of the tokens
+    total = sum(0.5 * sum(part.values()) for part in parts)
+    grads = torch.autograd.grad(total, [x, router.gate.weight])
+    for got, want in zip(grads, grads_whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # and without the reduce a half's losses are not the whole batch's
+    alone = _routed_losses(router, halves[0], cfg)
+    assert not torch.allclose(alone["seq_aux_loss"], whole["seq_aux_loss"])
+
+
+def test_balance_losses_without_any_on_never_call_reduce():
+    cfg = MoEConfig(num_experts=8, top_k=2)
+    calls = []
+    out = _routed_losses(Router(H, cfg), torch.randn(2, 4, H), cfg, lambda v: calls.append(v) or v)
+    assert out == {} and not calls
+
+
 def test_aux_loss_is_stored_weighted_and_taken_once():
     m = _moe(aux_loss_coeff=0.01, z_loss_coeff=0.001)
     m.train()

@@ -119,6 +119,36 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group`` in forward and, for the gradient, in backward: every
+    rank's result feeds its own loss, so each input's gradient is the sum of
+    all ranks' output gradients. Functional ops, waited on before returning
+    (no collective in flight once autograd holds a tensor, as in context.py)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _functional_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _functional_sum(grad, ctx.group), None
+
+
+def _functional_sum(x: torch.Tensor, group) -> torch.Tensor:
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(x.contiguous(), "sum", group.group_name))
+
+
+def all_reduce_sum_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` (a new tensor), differentiable: the
+    backward sums the gradient over ``group`` too (what
+    ``torch.distributed.nn.functional.all_reduce`` does, deprecated in 2.13)."""
+    if group_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """``out`` (``size`` times ``x``'s rows) gets every rank's ``x``, in rank order."""
     return _all_gather(out, x, group=group, async_op=async_op)

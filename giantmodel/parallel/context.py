@@ -26,6 +26,9 @@ flash/efficient SDPA kernels, so this module implements the all-gather form
 directly; it runs on gloo and NCCL alike, and on the CPU through the CPU
 flash kernel. Attention dropout keeps the older masked call.
 
+MoE layers compute their balance losses from statistics summed over the cp
+ranks (``MoE.reduce_stats``), so they equal the one-process losses.
+
 A sliding window (Mistral) restricts each chunk to the keys from its first
 query's window on: chunks wholly outside are never read, and the rest run
 :func:`giantmodel.models.common.masks.sliding_attention` (no T x T mask).
@@ -39,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from giantmodel.models.common.masks import sliding_attention
+from giantmodel.models.common.moe import moe_layers
+from giantmodel.parallel.collectives import all_reduce_sum_autograd
 
 
 def balanced_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -263,10 +268,26 @@ class _SplitCausalAttention(torch.autograd.Function):
 
 
 def apply_context_parallel(blocks: list[nn.Module], cp_mesh) -> None:
-    """Replace each block's attention core with the context-parallel one."""
+    """Replace each block's attention core with the context-parallel one, and
+    have its MoE feed-forward, if any, compute the balance losses over whole
+    sequences (one small all-reduce over cp per MoE layer and forward)."""
+    reduce = _SumOverCP(cp_mesh)
     for block in blocks:
         inner = _unwrap(block).attention
         inner.core = ContextParallelSDPA(inner.core, cp_mesh)
+        for layer in moe_layers(block):
+            layer.reduce_stats = reduce
+
+
+class _SumOverCP:
+    """An MoE layer's ``reduce_stats``: a differentiable sum over the cp
+    ranks, which hold the other chunks of the same sequences."""
+
+    def __init__(self, cp_mesh):
+        self.cp_mesh = cp_mesh
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum_autograd(t, self.cp_mesh.get_group())
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -30,6 +30,7 @@ backward: the step would count its tokens twice.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -352,6 +353,10 @@ class MoE(nn.Module):
         # Pipeline stages (see set_aux_loss_units / set_aux_loss_factor).
         self._aux_units: torch.Tensor | None = None
         self._aux_factor = 1.0
+        # Set by a context-parallel plan: sums a tensor over the ranks that
+        # hold the other parts of the same sequences, with autograd, so the
+        # balance losses cover whole sequences (see balance_losses).
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._bias_set = False
         if self.router.expert_bias is not None:
             self.register_load_state_dict_pre_hook(_note_loaded_bias)
@@ -423,8 +428,10 @@ class MoE(nn.Module):
         loads = torch.zeros(e, device=route.experts.device).scatter_add_(
             0, route.experts.reshape(-1), torch.ones(route.experts.numel(), device=route.experts.device))
         # Computed on a recompute too: checkpointing checks that the re-run
-        # saves the same tensors for backward as the forward did.
-        raw = balance_losses(route, loads, b, t, c)
+        # saves the same tensors for backward as the forward did (and under
+        # cp every rank re-runs the same blocks in the same order, so the
+        # collective of reduce_stats matches up). loads stay this rank's own.
+        raw = balance_losses(route, loads, b, t, c, self.reduce_stats)
         terms = [coeff * raw[name] for name, coeff in c.aux_coeffs.items()]
         aux = torch.stack(terms).sum() if terms else None
         if torch._C._current_graph_task_id() != -1:
@@ -510,8 +517,9 @@ def _within_capacity(route: Routing, num_experts: int, factor: float) -> torch.T
     return keep.view(n, k)
 
 
-def balance_losses(route: Routing, loads: torch.Tensor, b: int, t: int,
-                   cfg: MoEConfig) -> dict[str, torch.Tensor]:
+def balance_losses(route: Routing, loads: torch.Tensor, b: int, t: int, cfg: MoEConfig,
+                   reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   ) -> dict[str, torch.Tensor]:
     """The raw (unweighted) balance losses that ``cfg`` turns on, over this
     forward's ``b`` x ``t`` tokens; ``loads`` [E] counts each expert's
     assignments. Switch and sequence-wise losses are 1 when perfectly balanced.
@@ -519,7 +527,14 @@ def balance_losses(route: Routing, loads: torch.Tensor, b: int, t: int,
     * aux_loss (Switch/GShard, normalised as Megatron-Core):
       E * sum_i f_i * P_i, f_i = loads_i / (N k), P_i = mean probability of i;
     * seq_aux_loss (DeepSeek-V3): the same within each sequence, averaged;
-    * z_loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
+    * z_loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+
+    ``reduce`` (context parallelism: these are ``t`` tokens of each of ``b``
+    sequences whose other tokens sit on other ranks) sums a tensor over
+    those ranks, differentiably: the losses are then those of the whole
+    sequences, the same value on every such rank (see :func:`_whole_sequence_losses`)."""
+    if reduce is not None:
+        return _whole_sequence_losses(route, loads, b, t, cfg, reduce)
     e, k = cfg.num_experts, cfg.top_k
     out = {}
     if cfg.aux_loss_coeff > 0:
@@ -532,6 +547,47 @@ def balance_losses(route: Routing, loads: torch.Tensor, b: int, t: int,
         out["seq_aux_loss"] = (f * route.probs.view(b, t, e).mean(dim=1)).sum(dim=-1).mean()
     if cfg.z_loss_coeff > 0:
         out["z_loss"] = torch.logsumexp(route.logits, dim=-1).square().mean()
+    return out
+
+
+def _whole_sequence_losses(route: Routing, loads: torch.Tensor, b: int, t: int, cfg: MoEConfig,
+                           reduce: Callable[[torch.Tensor], torch.Tensor],
+                           ) -> dict[str, torch.Tensor]:
+    """:func:`balance_losses` from sums over the ranks that each hold part
+    of the same ``b`` sequences (sequence i is the same one on every rank):
+    one ``reduce`` of [tokens, loads E, prob sums E, per-sequence counts
+    b x E, per-sequence prob sums b x E, sum of logsumexp^2], holding only
+    the parts whose loss is on. Each rank then weights the (identical) loss
+    by its own share of the tokens; the reduce's backward sums those
+    weights back, so the data-parallel gradient sum over these ranks gives
+    the one-process gradient."""
+    e, k = cfg.num_experts, cfg.top_k
+    probs = route.probs
+    parts: dict[str, torch.Tensor] = {}
+    if cfg.aux_loss_coeff > 0:
+        parts["loads"] = loads.float()
+        parts["probs"] = probs.sum(dim=0)
+    if cfg.seq_aux_loss_coeff > 0:
+        parts["seq_loads"] = torch.zeros(b, e, device=loads.device).scatter_add_(
+            1, route.experts.view(b, t * k), torch.ones(b, t * k, device=loads.device)).view(-1)
+        parts["seq_probs"] = probs.view(b, t, e).sum(dim=1).view(-1)
+    if cfg.z_loss_coeff > 0:
+        parts["z"] = torch.logsumexp(route.logits, dim=-1).square().sum().view(1)
+    if not parts:
+        return {}
+    tokens = torch.full((1,), float(b * t), device=probs.device)
+    summed = reduce(torch.cat([tokens, *parts.values()]))
+    n, got = summed[0], dict(zip(parts, summed[1:].split([p.numel() for p in parts.values()]),
+                                 strict=True))
+    out = {}
+    if "loads" in got:
+        out["aux_loss"] = e * (got["loads"] / (n * k) * (got["probs"] / n)).sum()
+    if "seq_loads" in got:
+        seq_len = n / b
+        f = got["seq_loads"].view(b, e) * e / (k * seq_len)
+        out["seq_aux_loss"] = (f * got["seq_probs"].view(b, e) / seq_len).sum(dim=-1).mean()
+    if "z" in got:
+        out["z_loss"] = got["z"][0] / n
     return out
 
 
