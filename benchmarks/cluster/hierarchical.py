@@ -141,7 +141,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--turns", type=int, default=1,
                    help="measure each cell this many times, backends alternating first")
-    p.add_argument("--rate-mbit", type=float, default=200)
+    p.add_argument("--rate-mbit", type=float, default=200, help="0: an unshaped veth link")
     p.add_argument("--delay-ms", type=float, default=1.0)
     p.add_argument("--op", default="all_reduce",
                    choices=("all_reduce", "reduce_scatter", "all_gather", "all_to_all"))
@@ -163,7 +163,7 @@ def main() -> int:
     from giantmodel.testing.cluster import EmulatedCluster, Link
 
     table, hier = [], []
-    with EmulatedCluster(2, link=Link(args.rate_mbit, args.delay_ms)) as c:
+    with EmulatedCluster(2, link=Link(args.rate_mbit or None, args.delay_ms)) as c:
         t0 = time.time()
         for k in (int(x) for x in args.ranks_per_host.split(",")):
             res = run_workers(c, [list(range(k)), list(range(k, 2 * k))], __file__,

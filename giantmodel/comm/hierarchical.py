@@ -239,12 +239,18 @@ class HierarchicalAllReduce:
         self.shm.all_gather(mine[:w], table)
         plan = plan_all_to_all(self.nodes, self.rank, table.view(self.local_size, w).tolist(),
                                recv)
-        stage = self._buffer(torch.uint8, sum(plan.send_local), 0)
-        _gather(inp, plan.local_blocks, stage)
-        mid = self._buffer(torch.uint8, sum(plan.recv_local), 1)
-        self.shm.all_to_all_v(stage, mid, plan.send_local, plan.recv_local)
-        stage = self._buffer(torch.uint8, sum(plan.send_cross), 0)
-        _gather(mid, plan.cross_blocks, stage)
+        # Every full pass over the bytes costs as much as the network leg on
+        # a host's memory bus (about 4 GB/s from a core here): blocks already
+        # in order are not copied, and one rank per node skips the
+        # shared-memory leg, which would only copy its input to itself.
+        stage = _gather(inp, plan.local_blocks, self._buffer(torch.uint8, sum(plan.send_local), 0))
+        if self.local_size > 1:
+            mid, slot = self._buffer(torch.uint8, sum(plan.recv_local), 1), 0
+            self.shm.all_to_all_v(stage, mid, plan.send_local, plan.recv_local)
+        else:
+            mid, slot = stage, 1  # mid may be buffer 0: gather the next stage elsewhere
+        stage = _gather(mid, plan.cross_blocks, self._buffer(torch.uint8, sum(plan.send_cross),
+                                                             slot))
         sizes_sent.wait()
         self._check_splits(across, w)
         # With each node holding consecutive ranks the network leg brings the
@@ -337,8 +343,16 @@ def plan_all_to_all(nodes: tuple[tuple[int, ...], ...], rank: int, sent: list[li
                         recv_cross, placed)
 
 
-def _gather(src: torch.Tensor, blocks: list[tuple[int, int]], dst: torch.Tensor) -> None:
-    """``dst`` = the blocks of ``src`` back to back (one copy)."""
-    parts = [src[o:o + n] for o, n in blocks if n]
-    if parts:
-        torch.cat(parts, out=dst)
+def _gather(src: torch.Tensor, blocks: list[tuple[int, int]], dst: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``src`` back to back: a view of ``src`` where they
+    already lie so, else copied into ``dst`` (one copy)."""
+    parts = [(o, n) for o, n in blocks if n]
+    if not parts:
+        return dst
+    end = parts[0][0]
+    for o, n in parts:
+        if o != end:
+            torch.cat([src[o:o + n] for o, n in parts], out=dst)
+            return dst
+        end += n
+    return src[parts[0][0]:end]
