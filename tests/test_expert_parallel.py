@@ -52,10 +52,15 @@ SLOW_4 = [
     ["parallel.ep=4", "parallel.zero=1"],
     ["parallel.ep=2", "parallel.tp=2"],
     ["parallel.ep=2", "parallel.tp=2", "parallel.zero=3"],
+]
+# cp: each MoE layer sums its balance-loss statistics over the cp ranks
+CP_4 = [
     ["parallel.ep=2", "parallel.dp=2", "parallel.cp=2", "parallel.zero=1"],
-    # cp with pipeline stages (AuxLossScaler weights by each rank's units)
-    # and with whole blocks re-run in backward (the all-reduce re-runs too)
+    # pipeline stages (AuxLossScaler weights by each rank's units) and
+    # whole blocks re-run in backward (the all-reduce re-runs there too)
     ["parallel.ep=2", "parallel.cp=2", "parallel.pp=2", "parallel.dp=1", "recompute=full"],
+    # no ep, selective recompute (the all-reduce is recomputed, not kept)
+    ["parallel.cp=2", "parallel.dp=2", "recompute=selective"],
 ]
 
 
@@ -140,6 +145,12 @@ def test_ep_layout_matrix_two_ranks():
 @pytest.mark.timeout(600)
 def test_ep_layout_matrix_four_ranks():
     _check(4, SLOW_4, 580)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_layout_matrix_four_ranks():
+    _check(4, CP_4, 280)
 
 
 def test_reference_moves_experts():
