@@ -7,16 +7,33 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.moe import MoEConfig
+from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model
 from giantmodel.models.common.moe import moe_layers
 from giantmodel.planner.hardware import get_profile
+from giantmodel.planner.head import head_loss_impl, head_weight_copy
 from giantmodel.planner.layout import Cluster, Layout
+from giantmodel.planner.measure import LiveStorageCounter
 from giantmodel.planner.memory import MIB, memory_report, param_table
-from giantmodel.planner.moe import grad_sync_groups, stage_block_counts, stage_block_params
-from giantmodel.planner.perf import _local_params, collective_time, dp_times
+from giantmodel.planner.moe import (
+    dense_layer_config,
+    grad_sync_groups,
+    stage_block_counts,
+    stage_block_params,
+)
+from giantmodel.planner.perf import (
+    PerfOptions,
+    _local_params,
+    collective_time,
+    dp_times,
+    layer_time,
+    stage_times,
+)
+from giantmodel.planner.terms import moe_ffn_terms
 
 
 def _model(**moe) -> ModelConfig:
@@ -113,3 +130,119 @@ def test_a_dense_stage_is_costed_with_its_dense_blocks():
     dense, moe = (report.ranks[s] for s in (0, 1))
     assert dense.components["params"] < 0.7 * moe.components["params"]
     assert dense.peak < moe.peak
+
+
+# ------------------------------------------ per-block-kind activations, casts and buffers
+B, T = 2, 64
+
+
+def _mixed(num_layers: int, first_k_dense: int) -> ModelConfig:
+    """The tiny MoE model with its first blocks dense; the dense FFN (192
+    wide) and the 8 experts (32 wide) have different weight counts."""
+    m = replace(_model(first_k_dense=first_k_dense), num_layers=num_layers, ffn_hidden_size=192)
+    m.validate()
+    return m
+
+
+def _held(m, precision: str) -> float:
+    """What the planner has one micro-batch's forward leave alive on a single
+    rank: activations, embedding/head tensors, weight casts (ids made outside)."""
+    lay = _layout(m, dp=1, dp_shard=1, seq_len=T, micro_batch=B, precision=precision)
+    c = memory_report(m, lay, get_profile("cpu")).ranks[0].components
+    return (c["activations"] + c["embedding_head_activations"] + c["working_weights"]
+            - B * T * 8)
+
+
+def _live(m, precision: str) -> int:
+    """Storages the forward and loss leave alive (planner.measure), as
+    tests/test_planner_activations.py counts a dense model's."""
+    torch.manual_seed(0)
+    model = build_model(m, "cpu")
+    model.init_buffers("cpu")
+    ids = torch.randint(0, m.vocab_size, (B, T))
+    live = LiveStorageCounter()
+    with live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss, _ = cross_entropy_sum(model(ids), ids)
+    nbytes = live.live_bytes()
+    loss.backward()
+    return nbytes
+
+
+def test_a_dense_block_of_an_moe_model_is_costed_as_measured():
+    """A stage holding a dense block and an MoE block against one holding
+    the MoE block alone: the difference, measured on what the forward
+    keeps alive, is the dense block (its FFN's saved tensors and, in bf16,
+    the casts of its fused linears), and the planner's is the same within
+    2%. Charging the dense block as an MoE block (router, dispatched rows,
+    experts) missed it by 10% in fp32."""
+    mixed, moe_only = _mixed(2, 1), _mixed(1, 0)
+    for precision in ("fp32", "bf16"):
+        measured = _live(mixed, precision) - _live(moe_only, precision)
+        predicted = _held(mixed, precision) - _held(moe_only, precision)
+        assert abs(predicted / measured - 1) < 0.02, (precision, predicted, measured)
+
+
+def _block_numel(m, layer: int, linear_only: bool = False) -> int:
+    """Parameters (or the autocast-cast linear weights: not the fp32 router)
+    of block ``layer`` of the built model."""
+    block = build_model(m, device="meta").layers[str(layer)]
+    return sum(p.numel() for name, p in block.named_parameters()
+               if not linear_only or "router" not in name and "norm" not in name)
+
+
+def test_a_mixed_stage_is_charged_per_block_kind():
+    """pp2 over four blocks, the first dense: stage 0 holds dense + MoE,
+    stage 1 MoE + MoE. Per micro-batch in flight, their activations differ
+    by exactly one dense block less one MoE block (the dense FFN's input,
+    gate, up and gated product, against the router, dispatch and expert
+    terms of terms.moe_ffn_terms; attention and norms alike), and their
+    bf16 weight casts by the dense block's linears less the MoE block's
+    (its 8 experts whole at ep1), the head's copy apart."""
+    m = _mixed(4, 1)
+    lay = _layout(m, pp=2, dp=1, dp_shard=1, n_micro=2, stage_layers=(2, 2), seq_len=T,
+                  micro_batch=B)
+    r0, r1 = memory_report(m, lay, None).ranks
+    h, f, c, tokens = m.hidden_size, m.ffn_hidden_size, 2, B * T
+    dense_ffn = c * (h + 3 * f)   # feed_forward.input, w1_out, w3_out, w2_input
+    moe_ffn = sum(t.bytes_per_token for t in moe_ffn_terms(m, "bf16"))
+    got = r0.components["activations"] / r0.inflight - r1.components["activations"] / r1.inflight
+    assert got == pytest.approx(tokens * (dense_ffn - moe_ffn), rel=1e-9)
+    assert got != 0
+    # weight casts (zero 0, no recompute: every linear of a block)
+    head = c * m.vocab_size * h if head_weight_copy(head_loss_impl(lay, None)) else 0
+    casts = r0.components["working_weights"] - (r1.components["working_weights"] - head)
+    want = c * (_block_numel(m, 0, True) - _block_numel(m, 1, True))
+    assert casts == want and want != 0
+
+
+def test_zero3_buffers_follow_the_largest_block_on_the_stage():
+    """ZeRO-3 over pp2, the first stage all dense: each stage's gathered
+    (two blocks prefetched) and unsharded-gradient buffers are sized by its
+    own largest block, the dense block on stage 0 and the MoE block on 1."""
+    m = _mixed(4, 2)
+    lay = _layout(m, pp=2, dp=2, dp_shard=2, zero=3, n_micro=2, stage_layers=(2, 2))
+    ranks = memory_report(m, lay, None).ranks
+    for rank, layer in ((ranks[0], 0), (ranks[1], 2)):
+        n = _block_numel(m, layer)
+        assert rank.components["working_weights"] == 2 * n * 2, layer
+        assert rank.components["comm_buffers"] == 2 * n * 4, layer
+    assert _block_numel(m, 0) != _block_numel(m, 2)
+
+
+def test_dense_blocks_of_a_stage_run_no_experts_and_no_all_to_all():
+    """ep2: stage 0's dense block costs the dense FFN's GEMMs and no
+    dispatch/combine; against the same model with that block MoE, stage 0's
+    forward is shorter by exactly one dense block's time less one MoE
+    block's (whose all-to-all it no longer pays)."""
+    mixed, all_moe = _mixed(4, 1), _mixed(4, 0)
+    hw, cluster, opts = get_profile("h100-sxm"), Cluster(1, 8), PerfOptions()
+    lay = _layout(mixed, pp=2, dp=4, dp_shard=4, ep=2, n_micro=2, stage_layers=(2, 2))
+    dense_t = layer_time(dense_layer_config(mixed), lay, hw, cluster, opts)
+    moe_t = layer_time(mixed, lay, hw, cluster, opts)
+    assert dense_t.comm == 0.0 < moe_t.comm
+    got = stage_times(mixed, lay, hw, cluster, opts)[0].fwd \
+        - stage_times(all_moe, lay, hw, cluster, opts)[0].fwd
+    assert got == pytest.approx(dense_t.fwd - moe_t.fwd, rel=1e-9)
+    # stage 1 holds MoE blocks only in both
+    assert stage_times(mixed, lay, hw, cluster, opts)[1].fwd == pytest.approx(
+        stage_times(all_moe, lay, hw, cluster, opts)[1].fwd, rel=1e-12)

@@ -27,6 +27,11 @@ backward by the blocks that do not recompute. Under zero 2/3, FSDP2's
 mixed-precision policy gathers bf16 parameters and no cast is needed. A
 LoRA base kept in bf16 or NF4 has no casts (giantmodel.planner.frozen); its
 adapters, fp32 leaves, do.
+
+An MoE model's blocks are charged per kind (giantmodel.planner.moe): a
+rank's dense blocks with the dense FFN's saved tensors and casts, its MoE
+blocks with the router's, the dispatch's and the experts' (E / ep of them),
+and ZeRO-2/3's gathered and reduce buffers by the largest block it holds.
 """
 
 from __future__ import annotations
@@ -55,11 +60,14 @@ from giantmodel.planner.head import (
 )
 from giantmodel.planner.layout import Layout
 from giantmodel.planner.moe import (
+    block_config,
+    block_sparsity,
     dense_layer_config,
     expert_numel,
     inactive_params,
     is_expert,
     layer_counts,
+    rank_block_kinds,
     sparse_layer_config,
     stage_block_params,
 )
@@ -132,14 +140,20 @@ class ParamTable:
     def layer_linear_numel(self, tp: int = 1, ep: int = 1) -> int:
         return _numel_cached(self, tp, True, ep)
 
+    def dense_layer_numel(self, tp: int = 1) -> int:
+        """Local parameters of the dense block (an MoE model's; 0 otherwise)."""
+        return _numel_cached(self, tp, False, 1, dense=True)
+
     def head_linear_numel(self, tp: int = 1) -> int:
         head = self.head or tuple(p for p in self.embed if p.name.startswith("tok_"))
         return sum(math.prod(p.local_shape(tp)) for p in head)
 
 
 @functools.lru_cache(maxsize=4096)
-def _numel_cached(table: ParamTable, tp: int, linear_only: bool, ep: int = 1) -> int:
-    return sum(math.prod(p.local_shape(tp, ep)) for p in table.layer
+def _numel_cached(table: ParamTable, tp: int, linear_only: bool, ep: int = 1,
+                  dense: bool = False) -> int:
+    return sum(math.prod(p.local_shape(tp, ep)) for p in (table.dense_layer if dense
+                                                          else table.layer)
                if not linear_only or _is_linear(p.name))
 
 
@@ -162,12 +176,21 @@ def linear_numel(params) -> int:
 _NOT_SHAPE = ("name", "family", "init_std", "norm_eps", "rope_theta", "rope_scaling")
 
 
+@functools.cache
+def _shape_fields(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _NOT_SHAPE)
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
 def _model_key(m) -> tuple:
     # every field that may change a parameter's shape or a saved tensor (new
-    # family fields included without listing them); nested configs by repr
-    return tuple(v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
-                 for f in dataclasses.fields(m) if f.name not in _NOT_SHAPE
-                 for v in (getattr(m, f.name),))
+    # family fields included without listing them); nested configs by repr.
+    # A search asks for it hundreds of thousands of times: the field names
+    # are listed once per class.
+    return tuple(v if isinstance(v, _PLAIN) else repr(v)
+                 for v in (getattr(m, name) for name in _shape_fields(type(m))))
 
 
 _TABLES: dict[tuple, ParamTable] = {}
@@ -683,6 +706,72 @@ def _geometry(sizes: tuple[int, ...], owners: int, bucket_numel: int) -> tuple[f
     return padding_and_first_bucket(list(sizes), owners=owners, bucket_numel=bucket_numel)
 
 
+def block_local_numel(table: ParamTable, layout: Layout, sparse: bool) -> int:
+    """Local (post-tp, post-ep) parameters of one block of a kind: the MoE
+    block's (E / ep experts) or, for a dense block of an MoE model, the
+    dense block's (``ParamTable.dense_layer``); ``table``: the model's."""
+    if sparse or not table.dense_layer:
+        return table.layer_numel(layout.tp, layout.ep)
+    return table.dense_layer_numel(layout.tp)
+
+
+def rank_block_activations(m, layout: Layout, kinds: dict[tuple[bool, str], int], hw,
+                           recomputed: tuple[str, ...] = ()
+                           ) -> dict[tuple[bool, str], dict[str, float]]:
+    """Bytes one block keeps for one micro-batch, by saved tensor, for each
+    (MoE or not, recompute mode) of a rank's blocks (``kinds``:
+    :func:`giantmodel.planner.moe.rank_block_kinds`), and for each of its
+    kinds under no recompute and the layout's mode (the transient and the
+    reported per-layer figures read those). A dense block of an MoE model
+    keeps the dense FFN's tensors, an MoE block the router's, the
+    dispatch's and the experts'."""
+    b, s = layout.micro_batch, layout.seq_len
+    lora = (layout.lora_rank, layout.lora_paths) if layout.lora_rank else None
+    modes = {md for _, md in kinds} | {"none", layout.recompute}
+    out = {}
+    for sparse in block_sparsity(kinds, m):
+        cfg = block_config(m, sparse)
+        for mode in modes:
+            acts = layer_activation_bytes(cfg, layout.precision, mode, b, s, layout.tp,
+                                          layout.sp, layout.cp, lora, recomputed,
+                                          not on_accelerator(hw))
+            if mode == "none" and layout.cp == 1:
+                # Gemma 2's capped scores on the math path (no recompute keeps them)
+                capped = softcap_score_bytes(cfg, layout.precision, b, s, layout.tp,
+                                             on_accelerator(hw))
+                acts.update({k: v for k, v in capped.items() if k not in acts})
+            out[sparse, mode] = acts
+    return out
+
+
+def _block_weight_copies(m, table: ParamTable, layout: Layout, kinds: dict[tuple[bool, str], int],
+                         hw, style: str, local_full: int, head_copy: bool) -> float:
+    """Working weights of one pipeline rank: autocast keeps a low-precision
+    copy of each linear weight until backward (zero 0/1; not for blocks a
+    full recompute re-runs), each block its own kind's (a dense block its
+    dense FFN, an MoE block its local experts); FSDP2 keeps unsharded
+    params from forward to backward under zero 2, and prefetches about two
+    blocks under zero 3, the largest the rank holds."""
+    c = DTYPE_BYTES[layout.precision]
+    if layout.zero == 3:
+        kept, every = zero3_kept_numel(m, layout)
+        largest = max(block_local_numel(table, layout, sp) for sp in block_sparsity(kinds, m))
+        # kept blocks are all gathered when backward starts; the others are
+        # gathered about two at a time (prefetch)
+        return kept * c + (0 if every else 2 * largest * c)
+    if layout.zero == 2:
+        return local_full * c
+    if c < 4 and layout.lora_rank:
+        return _lora_weight_copies(m, table, layout, kinds, head_copy, style, hw) * c
+    if c < 4:
+        head = table.head_linear_numel(layout.tp) if head_copy else 0
+        return head * c + sum(
+            k * layer_weight_copies(block_config(m, sparse), layout.precision, layout.tp, mode,
+                                    layout.ep, layout.weight_cast == "step")
+            for (sparse, mode), k in kinds.items())
+    return 0
+
+
 def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
                 prefetch_layers: int = 1, recomputed: tuple[str, ...] = ()) -> RankMemory:
     table = param_table(m)
@@ -690,53 +779,34 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
     ns = layout.num_stages
     states, local_full = _rank_states(m, table, layout, tuple(stages), style, hw)
     comp: dict[str, float] = dict(states)
-    c = DTYPE_BYTES[layout.precision]
-    layer_local = table.layer_numel(layout.tp, layout.ep)
     n_layers = sum(layout.stage_layers[st] for st in stages)
-    # Working weights: autocast keeps a low-precision copy of each linear
-    # weight until backward (zero 0/1; not for blocks a full recompute
-    # re-runs); FSDP2 keeps unsharded params from forward to backward under
-    # zero 2, and prefetches about two layers under zero 3.
-    modes = layout.layer_mode_counts(pp_rank)
+    # each block charged as its kind: dense or MoE (giantmodel.planner.moe)
+    kinds = rank_block_kinds(m, layout, pp_rank)
+    present = block_sparsity(kinds, m)
     loss_impl = head_loss_impl(layout, hw)
     head_copy = ns - 1 in stages and head_weight_copy(loss_impl)
-    if layout.zero == 3:
-        kept, every = zero3_kept_numel(m, layout)
-        # kept blocks are all gathered when backward starts; the others are
-        # gathered about two at a time (prefetch)
-        comp["working_weights"] = kept * c + (0 if every else 2 * layer_local * c)
-    elif layout.zero == 2:
-        comp["working_weights"] = local_full * c
-    elif c < 4 and layout.lora_rank:
-        comp["working_weights"] = _lora_weight_copies(m, table, layout, modes.get("none", 0),
-                                                      n_layers, head_copy, style, hw) * c
-    elif c < 4:
-        head = table.head_linear_numel(layout.tp) if head_copy else 0
-        comp["working_weights"] = head * c + sum(
-            k * layer_weight_copies(m, layout.precision, layout.tp, mode, layout.ep,
-                                    layout.weight_cast == "step")
-            for mode, k in modes.items())
-    else:
-        comp["working_weights"] = 0
+    comp["working_weights"] = _block_weight_copies(m, table, layout, kinds, hw, style,
+                                                   local_full, head_copy)
     if layout.zero >= 2:
-        # unsharded grads before reduce-scatter (only the adapters' under LoRA)
+        # unsharded grads of one block before reduce-scatter, the largest the
+        # rank holds (only the adapters' under LoRA)
         trained = (sum(math.prod(s) for s in lora_layer_shapes(table, layout))
-                   if layout.lora_rank else layer_local)
+                   if layout.lora_rank else max(block_local_numel(table, layout, sp)
+                                                for sp in present))
         comp["comm_buffers"] = 2 * trained * 4
     else:
         comp["comm_buffers"] = min(2 * layout.bucket_mb * MIB, comp["grads"])
     b, s = layout.micro_batch, layout.seq_len
-    lora = (layout.lora_rank, layout.lora_paths) if layout.lora_rank else None
-    by_mode = {mode: layer_activation_bytes(m, layout.precision, mode, b, s, layout.tp,
-                                            layout.sp, layout.cp, lora, recomputed,
-                                            not on_accelerator(hw))
-               for mode in set(modes) | {"none", layout.recompute}}
-    if layout.cp == 1:   # Gemma 2's capped scores on the math path (no recompute keeps them)
-        capped = softcap_score_bytes(m, layout.precision, b, s, layout.tp, on_accelerator(hw))
-        by_mode["none"].update({k: v for k, v in capped.items() if k not in by_mode["none"]})
-    per_layer = by_mode[layout.recompute]
+    by_kind = rank_block_activations(m, layout, kinds, hw, recomputed)
+
+    def total(sparse: bool, mode: str) -> float:
+        return sum(by_kind[sparse, mode].values())
+
+    # the rank's heaviest block stands for "one layer" in reports
+    per_layer = by_kind[max(sorted(present), key=lambda sp: total(sp, layout.recompute)),
+                        layout.recompute]
     inflight = inflight_microbatches(layout, pp_rank)
-    rank_bytes = sum(k * sum(by_mode[mode].values()) for mode, k in modes.items())
+    rank_bytes = sum(k * total(*kind) for kind, k in kinds.items())
     if layout.offload_activations and offloads_to_host(hw):
         acts = offload_resident_bytes(rank_bytes, n_layers, prefetch_layers)
     else:
@@ -750,12 +820,11 @@ def rank_memory(m, layout: Layout, pp_rank: int, hw, style: str = "autocast",
         edge_inflight["attention.window_band"] = float(s * s)
     comp["activations"] = acts
     comp["embedding_head_activations"] = sum(edge_inflight.values())
-    none_bytes = sum(by_mode["none"].values())
-    transient = 0.0
-    if "full" in modes:
-        transient = none_bytes   # one block re-run during backward
-    elif "selective" in modes:   # what the policy re-creates for one block
-        transient = none_bytes - sum(by_mode["selective"].values())
+    # one block re-run during backward (full), or what the selective policy
+    # re-creates for one block: the largest such block of the rank
+    transient = max([total(sp, "none") for sp, md in kinds if md == "full"]
+                    + [total(sp, "none") - total(sp, "selective")
+                       for sp, md in kinds if md == "selective"], default=0.0)
     if ns - 1 in stages:
         transient = max(transient, loss_transient_bytes(m, layout.precision, b, s, layout.tp,
                                                         layout.cp, loss_impl,
@@ -806,22 +875,26 @@ def cast_weight_numel(m, table: ParamTable, tp: int) -> int:
                if p.name.endswith(".weight") and p.name.rpartition(".")[0] in paths)
 
 
-def _lora_weight_copies(m, table: ParamTable, layout: Layout, none_blocks: int,
-                        n_blocks: int, last: bool, style: str, hw) -> int:
+def _lora_weight_copies(m, table: ParamTable, layout: Layout,
+                        kinds: dict[tuple[bool, str], int], last: bool, style: str, hw) -> int:
     """Compute-dtype weight copies a LoRA model (zero 0/1) holds through
     backward, in elements: every adapter weight (trainable fp32 leaves:
     autocast casts each once per forward and caches it) and the frozen
     linears autocast casts at each call, of the blocks that do not
     recompute; the casts the fused path keeps for the step, of every block;
     the head where it is a DTensor or was not cast
-    (:func:`giantmodel.planner.frozen.base_copy_numel`)."""
+    (:func:`giantmodel.planner.frozen.base_copy_numel`). ``kinds``: the
+    rank's blocks by (MoE or not, recompute mode), each its kind's base."""
     sharded = _lora_sharded(layout, style, layout_strategy(table, layout, hw))
-    per_use, per_step = base_copy_numel(m, table.layer, layout, sharded)
     adapters = sum(math.prod(s) for s in lora_layer_shapes(table, layout))
-    head = 0
+    out = 0
+    for (sparse, mode), k in kinds.items():
+        cfg = block_config(m, sparse)
+        per_use, per_step = base_copy_numel(cfg, param_table(cfg).layer, layout, sharded)
+        out += k * (per_step + (adapters + per_use if mode == "none" else 0))
     if last and (layout.tp > 1 or not bf16_residual(layout, sharded)):
-        head = table.head_linear_numel(layout.tp)
-    return none_blocks * (adapters + per_use) + n_blocks * per_step + head
+        out += table.head_linear_numel(layout.tp)
+    return out
 
 
 def optimizer_step_bytes(layout: Layout, hw, comp: dict[str, float], style: str) -> float:
@@ -845,10 +918,13 @@ def zero3_kept_numel(m, layout: Layout) -> tuple[float, bool]:
     if layout.zero != 3 or layout.pp > 1 or not layout.keep_gathered_numel:
         return 0.0, False
     table = param_table(m)
-    layer = table.layer_numel(layout.tp, layout.ep)
+    # each block its own kind's shard, in model order (dense blocks of an MoE model as dense)
+    sparse = [m.moe is not None and m.moe.is_sparse(i) for i in range(m.num_layers)]
+    size = {sp: block_local_numel(table, layout, sp) for sp in set(sparse)}
+    blocks = [size[sp] for sp in sparse]
     edges = sum(math.prod(p.local_shape(layout.tp)) for p in table.embed + table.head + table.final)
-    keep, keep_edges = kept_gathered([layer] * m.num_layers, edges, layout.keep_gathered_numel)
-    kept = sum(keep) * layer + (edges if keep_edges else 0)
+    keep, keep_edges = kept_gathered(blocks, edges, layout.keep_gathered_numel)
+    kept = sum(n for n, k in zip(blocks, keep) if k) + (edges if keep_edges else 0)
     return float(kept), keep_edges
 
 

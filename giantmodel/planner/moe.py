@@ -31,11 +31,16 @@ giantmodel.parallel.expert run it:
 
 Pipeline stages hold the blocks the model has in their layer range, dense
 or MoE (:func:`stage_block_counts`, :func:`stage_block_params`, equal to the
-stage the trainer builds): ``memory.stage_param_list`` lists them so, and a
-stage's parameters, gradients and optimizer states are its own. Its
-activations, weight casts and ZeRO-2/3 buffers are still those of MoE
-blocks, one per block: where dense blocks are mixed in (DeepSeek-V3's first
-three) those terms of the stage holding them are the MoE block's.
+stage the trainer builds), and every per-block term is charged per block
+kind (:func:`rank_block_kinds`, :func:`block_config`): a rank holding k
+dense and j MoE blocks keeps k dense blocks' activations (the dense FFN's
+saved tensors) and j MoE blocks' (the router, dispatch and expert terms
+above), the dense block's weight casts and the MoE block's local ones, and
+under ZeRO-2/3 gathered-parameter and reduce buffers sized by the largest
+block on that rank; the expert GEMMs and the dispatch/combine all-to-all
+are timed for its MoE blocks only, its dense blocks as a dense model's.
+DeepSeek-V3's first three blocks (``first_k_dense``) and Qwen3-MoE's
+``mlp_only_layers`` / ``decoder_sparse_step`` are costed so.
 """
 
 from __future__ import annotations
@@ -108,6 +113,40 @@ def stage_block_params(table, m, stage_layers: Sequence[int], stage: int) -> lis
         return [p for _ in range(dense) for p in table.layer]
     return ([p for _ in range(sparse) for p in table.layer]
             + [p for _ in range(dense) for p in table.dense_layer])
+
+
+def block_config(m, sparse: bool):
+    """The config one block of a kind is costed with: ``m`` for an MoE block
+    (and for any block of a dense model), ``m`` with a dense feed-forward
+    (:func:`dense_layer_config`: ``ffn_hidden_size`` wide, as the model
+    builds it) for a dense block of an MoE model."""
+    return m if sparse or m.moe is None else dense_layer_config(m)
+
+
+def rank_block_kinds(m, layout, pp_rank: int) -> dict[tuple[bool, str], int]:
+    """How many of pipeline rank ``pp_rank``'s blocks are of each kind:
+    (MoE or not, recompute mode), over every stage the rank runs."""
+    stages = layout.rank_stages(pp_rank)
+    out: dict[tuple[bool, str], int] = {}
+    if layout.recompute_layers is None:   # one mode: count each stage's kinds
+        for s in stages:
+            for sparse, n in zip((False, True), stage_block_counts(m, layout.stage_layers, s)):
+                if n:
+                    out[sparse, layout.recompute] = out.get((sparse, layout.recompute), 0) + n
+        return out
+    starts = [sum(layout.stage_layers[:s]) for s in range(layout.num_stages)]
+    blocks = [i for s in stages for i in range(starts[s], starts[s] + layout.stage_layers[s])]
+    for i, mode in zip(blocks, layout.layer_modes(pp_rank)):
+        kind = (m.moe is not None and m.moe.is_sparse(i), mode)
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def block_sparsity(kinds: dict[tuple[bool, str], int], m) -> set[bool]:
+    """Which block kinds (MoE or not) ``kinds`` (:func:`rank_block_kinds`)
+    holds; a blockless rank answers with the model's kind (MoE for an MoE
+    model), so that per-block figures of it stay defined."""
+    return {sp for sp, _ in kinds} or {m.moe is not None}
 
 
 def local_expert_params(m, layout) -> float:

@@ -66,6 +66,7 @@ from giantmodel.planner.memory import (
     DTYPE_BYTES,
     MIB,
     active_matmul_params,
+    block_local_numel,
     layer_activation_bytes,
     layout_strategy,
     lora_layer_shapes,
@@ -78,11 +79,15 @@ from giantmodel.planner.memory import (
 )
 from giantmodel.planner.moe import (
     attention_width,
+    block_config,
     dispatch_combine_time,
     expert_gemm_time,
     grad_sync_groups,
+    layer_counts,
     mla_matmul_shapes,
+    rank_block_kinds,
     shared_matmul_shapes,
+    stage_block_counts,
 )
 from giantmodel.planner.roofline import gemm_time, matmul_rate, mem_time  # noqa: F401 (matmul_rate: re-exported)
 from giantmodel.planner.terms import family_extra_bytes, sp_recomputed_matmuls
@@ -457,23 +462,26 @@ def stage_times(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions) -> l
     blocks (each under its own recompute mode), the embedding / head on the
     ranks that hold them, and, where the schedule waits on them, the
     point-to-point transfers of every stage it runs (:func:`hop_time`)."""
-    times = {mode: layer_time(m, layout, hw, cluster, opts, mode)
-             for mode in {layout.recompute} | set(layout.recompute_layers or ())}
+    # each block timed as its kind: a dense block of an MoE model runs its
+    # dense FFN, no expert GEMMs and no dispatch/combine (giantmodel.planner.moe)
+    kinds = [rank_block_kinds(m, layout, r) for r in range(layout.pp)]
+    times = {kind: layer_time(block_config(m, kind[0]), layout, hw, cluster, opts, kind[1])
+             for rank in kinds for kind in rank}
     emb, head = edge_times(m, layout, hw, cluster)
     hop = 0.0 if p2p_overlapped(layout, hw) else hop_time(m, layout, hw, cluster)
     dt_emb, dt_head = dtensor_ops(m, layout)
     accumulate = grad_accumulate_time(m, layout, hw)
     dt_block = {mode: block_dtensor_ops(m, layout.tp, layout.sp, layout.precision, mode)
-                for mode in times}
+                for _, mode in times}
     out = []
     for r in range(layout.pp):
         stages = layout.rank_stages(r)
         f = b = 0.0
         ops = 0.0
-        for mode, n in layout.layer_mode_counts(r).items():
-            f += n * times[mode].fwd
-            b += n * (times[mode].bwd + times[mode].recompute)
-            ops += n * dt_block[mode]
+        for kind, n in kinds[r].items():
+            f += n * times[kind].fwd
+            b += n * (times[kind].bwd + times[kind].recompute)
+            ops += n * dt_block[kind[1]]
         skew_f, skew_b = rank_attention_skew(m, layout, hw, opts, r)
         f, b = f + skew_f, b + skew_b
         emb_f, head_f = edge_fractions(layout)
@@ -546,11 +554,26 @@ def _with_host_time(hw, fwd: float, bwd: float, host: float) -> tuple[float, flo
     return fwd + host_f, bwd + host_b
 
 
+def _stage_activation_bytes(m, layout: Layout, stage: int) -> float:
+    """Bytes one pipeline stage's blocks keep for one micro-batch under the
+    layout's recompute, each block as its kind (dense or MoE)."""
+    dense, sparse = stage_block_counts(m, layout.stage_layers, stage)
+    return sum(n * sum(layer_activation_bytes(block_config(m, kind), layout.precision,
+                                              layout.recompute, layout.micro_batch,
+                                              layout.seq_len, layout.tp, layout.sp,
+                                              layout.cp).values())
+               for kind, n in ((False, dense), (True, sparse)) if n)
+
+
 def _local_params(m, layout: Layout) -> float:
+    """Parameters on one rank, averaged over the pipeline ranks: each block
+    its kind's local shard (an MoE block E / ep experts, a dense block its
+    dense FFN), the embedding, head and final norm."""
     table = param_table(m)
-    return (m.num_layers / layout.pp * table.layer_numel(layout.tp, layout.ep)
-            + sum(_numel(p, layout.tp) for p in table.embed + table.head + table.final)
-            / layout.pp)
+    blocks = sum(n * block_local_numel(table, layout, sparse)
+                 for sparse, n in zip((False, True), layer_counts(m)) if n)
+    return (blocks + sum(_numel(p, layout.tp) for p in table.embed + table.head + table.final)
+            ) / layout.pp
 
 
 def _trained_params(m, layout: Layout, local: float) -> float:
@@ -707,9 +730,8 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
     bubble = pipe - m_count * t_mb
     slow = st[totals.index(t_mb)]
     if layout.offload_activations and offloads_to_host(hw):
-        per = sum(layer_activation_bytes(m, layout.precision, layout.recompute, layout.micro_batch,
-                                         layout.seq_len, layout.tp, layout.sp, layout.cp).values())
-        act_bytes = 2 * per * max(layout.stage_layers)
+        act_bytes = 2 * max(_stage_activation_bytes(m, layout, s)
+                            for s in range(layout.num_stages))
         pipe += m_count * max(0.0, act_bytes / hw.host_bw - 0.7 * t_mb)
     dp_exposed, opt = dp_times(m, layout, hw, cluster, slow.bwd, t_mb)
     # one op per DTensor parameter's gradient and micro-batch
@@ -724,8 +746,9 @@ def estimate_time(m, layout: Layout, hw, cluster: Cluster, global_batch: int,
     peak = hw.flops(layout.precision)
     comm_per_mb = 0.0
     r = totals.index(t_mb)
-    for mode, n in layout.layer_mode_counts(r).items():
-        comm_per_mb += n * layer_time(m, layout, hw, cluster, opts, mode).comm
+    for (sparse, mode), n in rank_block_kinds(m, layout, r).items():
+        comm_per_mb += n * layer_time(block_config(m, sparse), layout, hw, cluster, opts,
+                                      mode).comm
     layer_comm = comm_per_mb * m_count
     single = _single_gpu_tokens_per_sec(m, layout, hw, cluster, opts)
     tps = tokens / step
