@@ -61,6 +61,8 @@ CP_4 = [
     ["parallel.ep=2", "parallel.cp=2", "parallel.pp=2", "parallel.dp=1", "recompute=full"],
     # no ep, selective recompute (the all-reduce is recomputed, not kept)
     ["parallel.cp=2", "parallel.dp=2", "recompute=selective"],
+    # tp x cp: under sp each tp rank's MoE layer sees its cp slice gathered
+    ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.cp=2"],
 ]
 
 
