@@ -120,11 +120,21 @@ def _worker(rank, world):
     # and of 1 (hierarchical). 64 KB chunks make the large case take many rounds.
     small = 64 << 10
     for ranks, opts in (([0, 1, 2, 3], GiantOptions()), ([0, 2], GiantOptions(chunk_bytes=small)),
-                        ([0, 1, 2, 3], GiantOptions(node_size=2, chunk_bytes=small)),
-                        ([1, 2], GiantOptions(node_size=2))):
+                        ([0, 1, 2, 3], GiantOptions(node_size=2, chunk_bytes=small,
+                                                    hierarchical="on")),
+                        ([1, 2], GiantOptions(node_size=2, hierarchical="on"))):
         giant = dist.new_group(ranks, backend="giant", pg_options=opts)
         gloo = dist.new_group(ranks, backend="gloo")
         groups.append((ranks, giant, gloo))
+    # "auto" across nodes: the reductions go hierarchical, the all-to-all
+    # stays on gloo (flat), and gives gloo's result
+    auto = dist.new_group([0, 1, 2, 3], backend="giant", pg_options=GiantOptions(node_size=2))
+    assert auto._hier is not None and not auto._hier_all_to_all
+    out = torch.empty(8)
+    dist.all_to_all_single(out, torch.arange(8.0) + 8 * rank, group=auto)
+    want = torch.cat([torch.arange(2.0) + 8 * j + 2 * rank for j in range(4)])
+    assert torch.equal(out, want), (out, want)
+    auto.shutdown()
     for k, (ranks, giant, gloo) in enumerate(groups):
         if rank not in ranks:
             continue
@@ -213,7 +223,7 @@ def _cluster_rank() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     register_backend()
-    giant = dist.new_group(backend="giant")
+    giant = dist.new_group(backend="giant", pg_options=GiantOptions(hierarchical="on"))
     expect = tuple(tuple(int(r) for r in node.split(","))
                    for node in os.environ["A2A_NODES"].split(";"))
     assert giant.topology.nodes == expect and giant._hier is not None, giant.topology

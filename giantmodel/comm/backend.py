@@ -150,6 +150,12 @@ class GiantProcessGroup(dist.ProcessGroup):
             self._shm = self._first_shm(store, rank, size)
             if self._shm is not None and self.topology.hierarchical:
                 self._hier = HierarchicalAllReduce(self._shm, store, self.topology, timeout)
+        # All-to-all moves the same bytes over the network either way, and the
+        # hierarchical form adds passes over memory: across 2 emulated hosts
+        # it ran at 0.57-0.68x flat gloo's speed with 2 ranks per host and
+        # 0.84-0.99x with 1 (benchmarks/results/alltoall-hier-2026-11-28.md),
+        # so it runs only when asked for ("on"); "auto" leaves it flat.
+        self._hier_all_to_all = self._hier is not None and self._settings.hierarchical == "on"
         topo = self.topology
         use_sched = self._settings.priority and self._shm is not None and topo.num_nodes == 1
         self._engine = CollectiveEngine(f"giant{size}", sched=self._shm if use_sched else None,
@@ -488,7 +494,7 @@ class GiantProcessGroup(dist.ProcessGroup):
                           opts=None):
         # Even and uneven splits take one path, so ranks that pass equal
         # splits and ranks that pass none still run the same kernel.
-        ok = (self._fast([input, output], reduces=False, flat_only=self._hier is None)
+        ok = (self._fast([input, output], reduces=False, flat_only=not self._hier_all_to_all)
               and input.dtype == output.dtype and input.dim() > 0 and output.dim() > 0)
         if not ok:
             return self._delegated(self._inner([input]).alltoall_base(
@@ -511,7 +517,7 @@ class GiantProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         tensors = [*input_tensors, *output_tensors]
         ok = (len(input_tensors) == len(output_tensors) == self._world
-              and self._fast(tensors, reduces=False, flat_only=self._hier is None)
+              and self._fast(tensors, reduces=False, flat_only=not self._hier_all_to_all)
               and len({t.dtype for t in tensors}) == 1)
         if not ok:
             return self._delegated(self._inner(input_tensors).alltoall(

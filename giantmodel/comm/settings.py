@@ -26,7 +26,8 @@ class GiantOptions:
     threads: int = 0
     """Copy/reduce threads per rank; 0 = the host's cores over its ranks."""
     hierarchical: str = "auto"
-    """Cross-node all-reduce: "on", "off" or "auto" (on for even nodes)."""
+    """Cross-node collectives: "on", "off" or "auto" (the reductions and
+    gathers hierarchical for even nodes; all-to-all flat unless "on")."""
     node_size: int = 0
     """Ranks per emulated node; 0 learns nodes from host names."""
     priority: bool = False

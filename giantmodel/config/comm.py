@@ -36,7 +36,10 @@ class CommConfig:
     hierarchical: str = "auto"
     """Across nodes: "on" = intra-node reduce-scatter, per-local-rank
     inter-node all-reduce, intra-node all-gather; "off" = flat gloo/NCCL;
-    "auto" = on when the group spans several equally sized nodes."""
+    "auto" = on when the group spans several equally sized nodes, except the
+    all-to-all (expert-parallel dispatch), which stays flat unless "on": it
+    sends the same bytes either way and was slower hierarchical on the
+    emulated cluster (benchmarks/results/alltoall-hier-2026-11-28.md)."""
 
     node_size: int = 0
     """Ranks per node. 0 = learn it from the hosts' names. A value > 0 splits
