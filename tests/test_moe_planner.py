@@ -22,6 +22,7 @@ from giantmodel.planner.memory import MIB, memory_report, param_table
 from giantmodel.planner.moe import (
     dense_layer_config,
     grad_sync_groups,
+    rank_block_kinds,
     stage_block_counts,
     stage_block_params,
 )
@@ -246,3 +247,16 @@ def test_dense_blocks_of_a_stage_run_no_experts_and_no_all_to_all():
     # stage 1 holds MoE blocks only in both
     assert stage_times(mixed, lay, hw, cluster, opts)[1].fwd == pytest.approx(
         stage_times(all_moe, lay, hw, cluster, opts)[1].fwd, rel=1e-12)
+
+
+def test_block_kinds_follow_per_layer_recompute():
+    """rank_block_kinds pairs each block's kind with its own recompute mode
+    (model.recompute_layers), and with one mode counts each stage's kinds."""
+    m = _mixed(4, 1)
+    lay = _layout(m, pp=2, dp=1, dp_shard=1, n_micro=2, stage_layers=(2, 2),
+                  recompute_layers=("full", "none", "none", "selective"))
+    assert rank_block_kinds(m, lay, 0) == {(False, "full"): 1, (True, "none"): 1}
+    assert rank_block_kinds(m, lay, 1) == {(True, "none"): 1, (True, "selective"): 1}
+    one = replace(lay, recompute_layers=None, recompute="full", stage_layers=(3, 1))
+    assert rank_block_kinds(m, one, 0) == {(False, "full"): 1, (True, "full"): 2}
+    assert rank_block_kinds(m, one, 1) == {(True, "full"): 1}
