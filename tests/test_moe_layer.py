@@ -455,6 +455,15 @@ def test_hand_written_expert_loop_and_gathers_equal_autograd(dtype):
     (want[order // k] * g).sum().backward()
     torch.testing.assert_close(rows.grad, want.grad)
 
+    # two copies (top-2) take their own sum: bit-equal to the reduction, in bf16 too
+    for dt in (torch.float32, torch.bfloat16):
+        rows2 = torch.randn(5, H, dtype=dt, requires_grad=True)
+        order2 = torch.randperm(10)
+        inverse2 = torch.empty_like(order2).scatter_(0, order2, torch.arange(10))
+        g2 = torch.randn(10, H, dtype=dt)
+        gather_rows(rows2, order2 // 2, inverse2, 2).backward(g2)
+        assert torch.equal(rows2.grad, g2[inverse2].view(5, 2, H).sum(dim=1))
+
     y, w = torch.randn(6, k, H, requires_grad=True), torch.rand(6, k, requires_grad=True)
     y2, w2 = y.detach().requires_grad_(True), w.detach().requires_grad_(True)
     out, ref = _Combine.apply(y, w), torch.bmm(w2.unsqueeze(1), y2).squeeze(1)
