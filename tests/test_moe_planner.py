@@ -8,12 +8,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.moe import MoEConfig
 from giantmodel.core.loss import cross_entropy_sum
 from giantmodel.models import build_model
+from giantmodel.models.common.layers import RMSNorm
 from giantmodel.models.common.moe import moe_layers
+from giantmodel.planner import perf
 from giantmodel.planner.hardware import get_profile
 from giantmodel.planner.head import head_loss_impl, head_weight_copy
 from giantmodel.planner.layout import Cluster, Layout
@@ -34,7 +37,8 @@ from giantmodel.planner.perf import (
     layer_time,
     stage_times,
 )
-from giantmodel.planner.terms import moe_ffn_terms
+from giantmodel.planner.roofline import mem_time
+from giantmodel.planner.terms import moe_ffn_terms, norm_working_bytes
 
 
 def _model(**moe) -> ModelConfig:
@@ -260,3 +264,102 @@ def test_block_kinds_follow_per_layer_recompute():
     one = replace(lay, recompute_layers=None, recompute="full", stage_layers=(3, 1))
     assert rank_block_kinds(m, one, 0) == {(False, "full"): 1, (True, "full"): 2}
     assert rank_block_kinds(m, one, 1) == {(True, "full"): 1}
+
+
+def _moe_model(num_layers: int, **moe) -> ModelConfig:
+    m = replace(_model(**moe), num_layers=num_layers, ffn_hidden_size=192)
+    m.validate()
+    return m
+
+
+@pytest.mark.parametrize("moe", [
+    {},                                                    # Qwen3/Mixtral: softmax, renormalised
+    {"router": "sigmoid", "n_group": 4, "topk_group": 2,   # DeepSeek-V3's router and shared expert
+     "routed_scaling_factor": 2.5, "num_shared_experts": 1, "seq_aux_loss_coeff": 1e-3},
+    {"num_shared_experts": 1, "aux_loss_coeff": 1e-3, "z_loss_coeff": 1e-3, "norm_topk_prob": False},
+])
+def test_an_moe_block_is_costed_as_measured(moe):
+    """Two MoE blocks less one, measured on what the forward keeps alive
+    (the CPU's expert loop), against the planner's MoE block (attention,
+    norms, router, dispatch, experts, combine, and in bf16 the block's
+    weight casts) within 1%, in fp32 and bf16. The terms before missed the
+    router's fp32 copy of its input (4 x hidden bytes a token), the sort
+    order and its inverse, the renormalised weights and their cast, and
+    counted the shared experts' SiLU output instead of their input: 3-7%
+    of the whole block in fp32."""
+    two, one = _moe_model(2, **moe), _moe_model(1, **moe)
+    for precision in ("fp32", "bf16"):
+        measured = _live(two, precision) - _live(one, precision)
+        predicted = _held(two, precision) - _held(one, precision)
+        assert abs(predicted / measured - 1) < 0.01, (precision, predicted, measured)
+
+
+def test_the_norms_fp32_work_is_timed_though_not_kept():
+    """Qwen3's block: every fused RMSNorm it runs (attention_norm, ffn_norm,
+    and qk-norm's per-head q_norm and k_norm) keeps only its input and
+    rstd, but its forward writes fp32 tensors of its input's size, measured
+    here per norm: at least the two that backward rebuilds in bf16 (the
+    input made fp32 and the normalised product; one in fp32). The time
+    model's element-wise term counts exactly those two (one) per norm
+    (terms.norm_working_bytes), and layer_time adds them: a time model
+    that follows only the saved tensors (as after the norms stopped keeping
+    them) drops every norm's working tensors from the block's time."""
+    m = replace(_moe_model(1), family="qwen3_moe", qk_norm=True, head_dim=16)
+    m.validate()
+    for precision, copies in (("fp32", 1), ("bf16", 2)):
+        want = norm_working_bytes(m, precision, B, T, 1, False, 1)
+        seen = _norm_fp32_writes(m, precision)
+        assert set(seen) == {k.removesuffix(".fp32_work") for k in want}, (seen, want)
+        for norm, (numel, written) in seen.items():
+            assert want[f"{norm}.fp32_work"] == B * T * copies * 4 * numel, norm
+            assert written >= copies * 4 * numel, (norm, written, numel)
+    hw, cluster, opts = get_profile("h100-sxm"), Cluster(1, 8), PerfOptions()
+    lay = _layout(m, dp=1, dp_shard=1, seq_len=T, micro_batch=B)
+    work = sum(norm_working_bytes(m, "bf16", B, T, 1, False, 1).values())
+    timed = layer_time(m, lay, hw, cluster, opts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(perf, "norm_working_bytes", lambda *a: {})
+        saved_only = layer_time(m, lay, hw, cluster, opts)
+    assert timed.fwd - saved_only.fwd == pytest.approx(mem_time(hw, 2 * work), rel=1e-9)
+    assert timed.bwd - saved_only.bwd == pytest.approx(2 * mem_time(hw, 2 * work), rel=1e-9)
+
+
+class _Fp32Writes(TorchDispatchMode):
+    """Bytes of the fp32 tensors of ``numel`` elements the ops write."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.bytes = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 \
+                and out.numel() == self.numel:
+            self.bytes += out.numel() * 4
+        return out
+
+
+def _norm_fp32_writes(m, precision: str) -> dict[str, tuple[int, int]]:
+    """Per RMSNorm of block 0 (named as the planner names it): its input's
+    elements per token and the fp32 bytes per token its forward writes."""
+    torch.manual_seed(0)
+    model = build_model(m, "cpu")
+    model.init_buffers("cpu")
+    out = {}
+    for name, mod in model.layers["0"].named_modules():
+        if not isinstance(mod, RMSNorm):
+            continue
+        def pre(mod, args):
+            mod._mode = _Fp32Writes(args[0].numel())
+            mod._mode.__enter__()
+
+        def post(mod, args, output, key=name):
+            mod._mode.__exit__(None, None, None)
+            out[key] = (args[0].numel() // (B * T), mod._mode.bytes // (B * T))
+
+        mod.register_forward_pre_hook(pre)
+        mod.register_forward_hook(post)
+    ids = torch.randint(0, m.vocab_size, (B, T))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        model(ids)
+    return out

@@ -90,7 +90,11 @@ from giantmodel.planner.moe import (
     stage_block_counts,
 )
 from giantmodel.planner.roofline import gemm_time, matmul_rate, mem_time  # noqa: F401 (matmul_rate: re-exported)
-from giantmodel.planner.terms import family_extra_bytes, sp_recomputed_matmuls
+from giantmodel.planner.terms import (
+    family_extra_bytes,
+    norm_working_bytes,
+    sp_recomputed_matmuls,
+)
 
 
 @dataclass
@@ -222,8 +226,11 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     for name, nbytes in family_extra_bytes(m, prec, layout.micro_batch, layout.seq_len, t,
                                            layout.sp, cp, on_accelerator(hw)).items():
         acts.setdefault(name, nbytes)
+    # the norms' fp32 working tensors: written in forward, rebuilt in backward, not kept
+    acts.update(norm_working_bytes(m, prec, layout.micro_batch, layout.seq_len, t,
+                                   layout.sp, cp))
     none = sum(acts.values())
-    elem = mem_time(hw, 2.0 * none)   # each saved tensor written once, read once
+    elem = mem_time(hw, 2.0 * none)   # each tensor written once, read once
     comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)
     if m.moe is not None:   # dispatch + combine; selective keeps the dispatched rows
         a2a_f, a2a_b = dispatch_combine_time(m, layout, hw, cluster, tokens, opts.dispatch_bytes,

@@ -221,37 +221,68 @@ def routed_rows_per_token(m) -> float:
 
 def moe_ffn_terms(m, precision: str) -> list[Term]:
     """What one MoE feed-forward keeps for backward, per local token (no
-    recompute). Experts are not split by tp: their terms are whole on every
-    tp rank ('full')."""
+    recompute), as giantmodel.models.common.moe runs it. The whole layer
+    runs on every tp rank (parallel.tensor's MoE plan: not split by tp),
+    so every term is 'full'.
+
+    * Router (fp32): the gate's ``F.linear`` keeps its fp32 input (a copy
+      of the compute-dtype rows; in fp32 the rows themselves), the
+      softmax's or sigmoid's output [N, E], the top-k ids (kept by the
+      gather of the chosen scores); renormalised weights keep the gathered
+      scores and their sum; the combine keeps the weights (cast to the
+      compute dtype). The logits only under the z-loss (its logsumexp keeps
+      them and its result), a sigmoid router's per-token score sum only
+      under a balance loss (its probabilities' division keeps it).
+    * Dispatch: the sort order and its inverse (int64, one per routed row,
+      kept by the two row gathers), the gathered rows (the CPU loop keeps
+      them; the grouped GEMM keeps its padded copy: alignment rows aside,
+      the same bytes; it also keeps the gather index back, 8 bytes a
+      routed row, not counted), each expert's gate and up outputs, SiLU
+      output and gated product per routed row, and the combine's [N, k, h]
+      expert outputs.
+    * Shared experts: a fused SwiGLU as the dense FFN (its input, one
+      gate|up output, the gated product); in fp32 its input is the
+      router's."""
     c = DTYPE_BYTES[precision]
     moe, h = m.moe, m.hidden_size
     k, e = moe.top_k, moe.num_experts
     f = moe.expert_ffn_hidden_size or m.ffn_hidden_size
     rows = routed_rows_per_token(m)
-    terms = [Term("moe.router_logits", 4 * e, "full"), Term("moe.router_scores", 4 * e, "full"),
-             Term("moe.topk_ids", 8 * k + 4 * k, "full"),
-             # the gathered fp32 rows are dispatched; the expert GEMMs keep their cast
-             Term("moe.dispatched", c * k * h, "full"),
-             Term("moe.experts.w1_out", c * rows * f, "full"),
-             Term("moe.experts.w3_out", c * rows * f, "full"),
-             Term("moe.experts.silu", c * rows * f, "full"),
-             Term("moe.experts.w2_input", c * rows * f, "full"),
-             # the combine's [N, k, h] expert outputs, kept by its weighted sum
-             Term("moe.combine_in", c * k * h, "full")]
+    terms = [Term("moe.router_input", 4 * h, "full"), Term("moe.router_scores", 4 * e, "full"),
+             Term("moe.topk_ids", 8 * k, "full")]
+    if moe.z_loss_coeff > 0:
+        terms.append(Term("moe.router_logits", 4 * e + 4, "full"))
+    if moe.router == "sigmoid" and (moe.aux_loss_coeff > 0 or moe.seq_aux_loss_coeff > 0):
+        terms.append(Term("moe.router_score_sum", 4, "full"))
+    if moe.norm_topk_prob:
+        terms.append(Term("moe.gate_weights", 4 * k + 4, "full"))
+    terms += [Term("moe.combine_weights", c * k, "full"),
+              Term("moe.sort_order", 2 * 8 * k, "full"),
+              Term("moe.dispatched", c * rows * h, "full"),
+              Term("moe.experts.w1_out", c * rows * f, "full"),
+              Term("moe.experts.w3_out", c * rows * f, "full"),
+              Term("moe.experts.silu", c * rows * f, "full"),
+              Term("moe.experts.w2_input", c * rows * f, "full"),
+              # the combine's [N, k, h] expert outputs, kept by its weighted sum
+              Term("moe.combine_in", c * k * h, "full")]
     if moe.num_shared_experts:
         fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size or f)
-        terms += [Term("moe.shared.w1_out", c * fs, "tp"), Term("moe.shared.w3_out", c * fs, "tp"),
-                  Term("moe.shared.silu", c * fs, "tp"), Term("moe.shared.w2_input", c * fs, "tp")]
+        if c < 4:
+            terms.append(Term("moe.shared.input", c * h, "full"))
+        terms += [Term("moe.shared.w1_out", c * fs, "full"), Term("moe.shared.w3_out", c * fs, "full"),
+                  Term("moe.shared.w2_input", c * fs, "full")]
     return terms
 
 
 def moe_selective_terms(m, precision: str) -> list[Term]:
     """What the selective policy keeps of an MoE feed-forward: the matmul
-    outputs (router logits, expert and shared-expert GEMMs), the dispatched
-    rows that crossed the all-to-all (the collective's result), the combine's input."""
-    keep = {"moe.router_logits", "moe.dispatched", "moe.experts.w1_out", "moe.experts.w3_out",
+    outputs (the router's fp32 logits, expert and shared-expert GEMMs), the
+    dispatched rows that crossed the all-to-all (the collective's result),
+    the combine's input."""
+    keep = {"moe.dispatched", "moe.experts.w1_out", "moe.experts.w3_out",
             "moe.combine_in", "moe.shared.w1_out", "moe.shared.w3_out"}
-    return [t for t in moe_ffn_terms(m, precision) if t.name in keep]
+    return [Term("moe.router_logits", 4 * m.moe.num_experts, "full")] + [
+        t for t in moe_ffn_terms(m, precision) if t.name in keep]
 
 
 def mla_terms(m, precision: str) -> list[Term]:
@@ -352,6 +383,48 @@ def softcap_score_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: i
         out["attention.probs"] = c * scores
     if kv != q:
         out["attention.kv_repeated"] = 2.0 * c * tokens * (q - kv) / tp
+    return out
+
+
+# The fused norms (giantmodel.models.common.fused: _RMSNorm, _LayerNorm)
+# keep only their input and fp32 statistics, but each forward still writes
+# fp32 working tensors, which backward rebuilds: the input made fp32 (a copy
+# unless it already is) and the normalised product. Keyed by the saved term
+# that holds the norm's input, with the width it normalises.
+def _norm_inputs(m, terms: list[Term], c: int) -> list[tuple[str, float, str]]:
+    """(norm, width, split) of every fused norm of one block, from its
+    terms (``c``: the compute dtype's bytes, in which a norm's input is kept)."""
+    out = [(t.name.removesuffix(".input"), t.bytes_per_token / c, t.split) for t in terms
+           if t.name.endswith("_norm.input")]
+    names = {t.name for t in terms}
+    q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+    if "attention.qkv_out" in names:   # qk-norm: per head over q and over k
+        out += [("attention.q_norm", q, "tp"), ("attention.k_norm", kv, "tp")]
+    for latent in ("q_latent", "kv_latent"):   # MLA's latent norms
+        if f"attention.{latent}" in names:
+            r = m.mla.q_lora_rank if latent == "q_latent" else m.mla.kv_lora_rank
+            out.append((f"attention.{latent}_norm", r, "full"))
+    return out
+
+
+def norm_working_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
+                       cp: int) -> dict[str, float]:
+    """Bytes of the fp32 working tensors one block's norms write in forward
+    (and rebuild in backward) without keeping them, one micro-batch: per
+    norm, its input in fp32 (a copy of a compute-dtype input; none in fp32)
+    and the normalised product, each over the normalised width. Not memory
+    that a block holds (the memory model leaves them out), but element-wise
+    passes the time model must count: until the norms saved only x and
+    rstd, these were the tensors they kept, and the time model's
+    element-wise term, written as the saved tensors' bytes, lost them with
+    that change although every forward still writes them."""
+    c = DTYPE_BYTES[precision]
+    copies = 2 if c < 4 else 1
+    tokens = micro_batch * seq_len / cp
+    out = {}
+    for norm, width, split in _norm_inputs(m, layer_terms(m, precision), c):
+        out[f"{norm}.fp32_work"] = term_bytes(Term(norm, copies * 4.0 * width, split),
+                                              tokens, tp, sp, cp)
     return out
 
 
