@@ -26,6 +26,7 @@ from giantmodel.planner.moe import (
     dense_layer_config,
     grad_sync_groups,
     rank_block_kinds,
+    shared_matmul_shapes,
     stage_block_counts,
     stage_block_params,
 )
@@ -363,3 +364,14 @@ def _norm_fp32_writes(m, precision: str) -> dict[str, tuple[int, int]]:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         model(ids)
     return out
+
+
+def test_shared_experts_are_whole_on_every_tp_rank():
+    """parallel.tensor's plan leaves an MoE layer unsplit (every tp rank
+    runs its router, experts and shared experts on the whole tokens): the
+    shared experts' parameters keep their shapes at tp2 and their GEMMs
+    their sizes, where the planner split them as a dense MLP's."""
+    m = _moe_model(1, num_shared_experts=1)
+    shared = [p for p in param_table(m).layer if ".shared_experts." in p.name]
+    assert shared and all(p.local_shape(2) == p.shape for p in shared)
+    assert shared_matmul_shapes(m, 2) == shared_matmul_shapes(m, 1) != {}

@@ -112,9 +112,11 @@ class Param:
 def _tp_dim(name: str) -> int | None:
     """How the project's TP plan splits each parameter: column-parallel q/k/v,
     w1/w3 (weights and biases on dim 0), row-parallel wo/w2 (weights on dim 1,
-    biases replicated), vocab-parallel embedding and head; norms and learned
-    positions replicated."""
+    biases replicated), vocab-parallel embedding and head; norms, learned
+    positions and an MoE layer's shared experts replicated."""
     leaf = name.rsplit(".", 2)
+    if ".shared_experts" in name:   # an MoE layer runs whole on every tp rank (parallel.tensor)
+        return None
     if name.startswith(("tok_embeddings", "output")):
         return 0
     if len(leaf) >= 2 and leaf[-2] in ("wq", "wk", "wv", "w1", "w3"):

@@ -196,13 +196,15 @@ def mla_matmul_shapes(m) -> dict[str, tuple[float, float]]:
 
 
 def shared_matmul_shapes(m, t: int) -> dict[str, tuple[float, float]]:
-    """(k, n) of the shared experts' SwiGLU on one tp rank (column/row parallel)."""
+    """(k, n) of the shared experts' SwiGLU on one tp rank: whole, whatever
+    ``t`` (parallel.tensor does not split an MoE layer: every tp rank runs
+    it on the whole, identical tokens)."""
     moe, h = m.moe, m.hidden_size
     if not moe.num_shared_experts:
         return {}
     fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size
                                    or moe.expert_ffn_hidden_size or m.ffn_hidden_size)
-    return {"w1": (h, fs / t), "w3": (h, fs / t), "w2": (fs / t, h)}
+    return {"w1": (h, fs), "w3": (h, fs), "w2": (fs, h)}
 
 
 def grouped_gemm_time(hw, precision: str, rows_per_expert: float, experts: int,
