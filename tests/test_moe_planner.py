@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from giantmodel.config.model import ModelConfig
 from giantmodel.config.moe import MoEConfig
 from giantmodel.core.loss import cross_entropy_sum
+from giantmodel.core.pipeline_split import balanced_split
 from giantmodel.models import build_model
 from giantmodel.models.common.layers import RMSNorm
 from giantmodel.models.common.moe import moe_layers
@@ -35,9 +36,11 @@ from giantmodel.planner.perf import (
     _local_params,
     collective_time,
     dp_times,
+    edge_times,
     layer_time,
     stage_times,
 )
+from giantmodel.planner.report import pipeline_report, split_by_block_cost
 from giantmodel.planner.roofline import mem_time
 from giantmodel.planner.terms import moe_ffn_terms, norm_working_bytes
 
@@ -375,3 +378,26 @@ def test_shared_experts_are_whole_on_every_tp_rank():
     shared = [p for p in param_table(m).layer if ".shared_experts." in p.name]
     assert shared and all(p.local_shape(2) == p.shape for p in shared)
     assert shared_matmul_shapes(m, 2) == shared_matmul_shapes(m, 1) != {}
+
+
+def test_pipeline_report_times_each_block_as_its_kind():
+    """estimate's per-stage times and suggested pp_layers: a stage of dense
+    blocks is timed with the dense FFN (no experts, no all-to-all), not as
+    MoE blocks, and the suggested split weighs each block at its own cost
+    (here the cheap dense blocks share a stage with more of them)."""
+    m = _mixed(6, 3)
+    hw, cluster, opts = get_profile("h100-sxm"), Cluster(1, 8), PerfOptions()
+    lay = _layout(m, pp=2, dp=4, dp_shard=4, ep=2, n_micro=2, stage_layers=(3, 3))
+    rep = pipeline_report(m, lay, hw, cluster, opts)
+    dense = layer_time(dense_layer_config(m), lay, hw, cluster, opts).total
+    sparse = layer_time(m, lay, hw, cluster, opts).total
+    emb, head = edge_times(m, lay, hw, cluster)
+    got = [s["time_s"] for s in rep["stages"]]
+    assert got == pytest.approx([3 * dense + emb, 3 * sparse + head], rel=1e-12)
+    assert dense < sparse
+    cost = [dense] * 3 + [sparse] * 3
+    want = min(([k, 6 - k] for k in range(1, 6)),
+               key=lambda s: max(sum(cost[:s[0]]) + emb, sum(cost[s[0]:]) + head))
+    assert rep["suggested_pp_layers"] == want and want[0] > 3
+    # blocks of one cost: the uniform split's rule
+    assert split_by_block_cost([1.0] * 6, 2, 0.0, 0.5) == balanced_split(6, 2, 1.0, 0.0, 0.5)

@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 from giantmodel.core.pipeline_split import balanced_split
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import MemoryReport, memory_report
+from giantmodel.planner.moe import block_config
 from giantmodel.planner.perf import PerfOptions, PerfReport, edge_times, layer_time
 
 GB = 1e9
@@ -21,9 +22,13 @@ def pipeline_report(m, layout: Layout, hw, cluster: Cluster,
     minimises the slowest stage and what it would change."""
     opts = opts or PerfOptions()
     modes = list(layout.recompute_layers or [layout.recompute] * m.num_layers)
-    per_mode = {mode: layer_time(m, layout, hw, cluster, opts, mode).total for mode in set(modes)}
-    block = [per_mode[mode] for mode in modes]   # each block under its own recompute mode
-    lt = sum(block) / len(block)
+    # each block under its own recompute mode and as its kind: a dense block
+    # of an MoE model (DeepSeek-V3's first three) runs its dense FFN, no
+    # experts and no all-to-all (giantmodel.planner.moe)
+    kinds = [(m.moe is not None and m.moe.is_sparse(i), mode) for i, mode in enumerate(modes)]
+    per_kind = {kind: layer_time(block_config(m, kind[0]), layout, hw, cluster, opts,
+                                 kind[1]).total for kind in set(kinds)}
+    block = [per_kind[kind] for kind in kinds]
     emb, head = edge_times(m, layout, hw, cluster)
     ns = layout.num_stages
 
@@ -50,7 +55,7 @@ def pipeline_report(m, layout: Layout, hw, cluster: Cluster,
                     "suggestion": f"{m.num_layers} layers cannot give each of {ns} stages a "
                                   "block; the given parallel.pp_layers is kept"})
     elif ns > 1:
-        suggested = balanced_split(m.num_layers, ns, lt, emb, head)
+        suggested = split_by_block_cost(block, ns, emb, head)
         sug_layout = replace(layout, stage_layers=tuple(suggested))
         sug_mem = memory_report(m, sug_layout, hw)
         new = times(suggested)
@@ -60,6 +65,42 @@ def pipeline_report(m, layout: Layout, hw, cluster: Cluster,
                     "suggested_fits": sug_mem.fits,
                     "speedup": max(cur) / max(new)})
     return out
+
+
+def split_by_block_cost(block: list[float], stages: int, first_extra: float = 0.0,
+                        last_extra: float = 0.0) -> list[int]:
+    """Contiguous blocks per stage (at least one each) minimising the
+    slowest stage, each block at its own cost (``block``), the embedding's
+    ``first_extra`` and the head's ``last_extra`` on the end stages. Blocks
+    of one cost: :func:`balanced_split`'s split (its tie rules); otherwise
+    an exact dynamic programme over prefix sums, ties to the split whose
+    stage layer counts are closest to equal."""
+    n = len(block)
+    if len(set(block)) <= 1:
+        return balanced_split(n, stages, block[0] if block else 0.0, first_extra, last_extra)
+    pre = [0.0]
+    for c in block:
+        pre.append(pre[-1] + c)
+    even = n / stages
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, stages + 1):
+        for k in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, k):   # stage s - 1 holds blocks j .. k - 1
+                if best[s - 1][j] == inf:
+                    continue
+                cost = pre[k] - pre[j] + (first_extra if s == 1 else 0.0) \
+                    + (last_extra if s == stages else 0.0)
+                cand = (max(best[s - 1][j][0], cost), best[s - 1][j][1] + abs(k - j - even))
+                if cand < best[s][k]:
+                    best[s][k], choice[s][k] = cand, k - j
+    out, k = [], n
+    for s in range(stages, 0, -1):
+        out.append(choice[s][k])
+        k -= choice[s][k]
+    return out[::-1]
 
 
 def layout_dict(layout: Layout) -> dict:
