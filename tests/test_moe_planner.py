@@ -17,12 +17,13 @@ from giantmodel.core.pipeline_split import balanced_split
 from giantmodel.models import build_model
 from giantmodel.models.common.layers import RMSNorm
 from giantmodel.models.common.moe import moe_layers
+from giantmodel.parallel.flat_buffer import padding_and_first_bucket
 from giantmodel.planner import perf
 from giantmodel.planner.hardware import get_profile
 from giantmodel.planner.head import head_loss_impl, head_weight_copy
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.measure import LiveStorageCounter
-from giantmodel.planner.memory import MIB, memory_report, param_table
+from giantmodel.planner.memory import MIB, memory_report, own_buffer_geometry, param_table
 from giantmodel.planner.moe import (
     dense_layer_config,
     grad_sync_groups,
@@ -401,3 +402,26 @@ def test_pipeline_report_times_each_block_as_its_kind():
     assert rep["suggested_pp_layers"] == want and want[0] > 3
     # blocks of one cost: the uniform split's rule
     assert split_by_block_cost([1.0] * 6, 2, 0.0, 0.5) == balanced_split(6, 2, 1.0, 0.0, 0.5)
+
+
+def test_zero12_buffer_geometry_lists_each_block_as_its_kind():
+    """The padding and first-bucket share of zero 1/2's flat buffers, which
+    choose the engine's strategy, follow each pipeline rank's parameters as
+    the trainer builds them, in registration order: DeepSeek-V3's dense
+    blocks as dense (listing them as MoE blocks gave another geometry)."""
+    m = replace(_model(first_k_dense=2, num_shared_experts=1), num_layers=4)
+    m.moe = replace(m.moe, num_experts=16)
+    m.validate()
+    lay = _layout(m, pp=2, zero=1, n_micro=2, stage_layers=(2, 2), bucket_mb=0.05)
+    table = param_table(m)
+    bucket = int(lay.bucket_mb * MIB) // 4
+    worst = (0.0, 0.0)
+    for s, (first, last) in enumerate([(True, False), (False, True)]):
+        model = build_model(m, device="meta")
+        model.keep_stage(range(2 * s, 2 * s + 2), first, last)
+        sizes = [p.numel() for p in model.parameters()]
+        got = padding_and_first_bucket(sizes, owners=4, bucket_numel=bucket)
+        worst = (max(worst[0], got[0]), max(worst[1], got[1]))
+    assert own_buffer_geometry(table, lay) == pytest.approx(worst, rel=1e-12)
+    as_moe = replace(m, moe=replace(m.moe, first_k_dense=0))
+    assert own_buffer_geometry(param_table(as_moe), lay) != pytest.approx(worst, rel=1e-6)

@@ -69,7 +69,6 @@ from giantmodel.planner.moe import (
     layer_counts,
     rank_block_kinds,
     sparse_layer_config,
-    stage_block_params,
 )
 from giantmodel.planner.terms import (  # noqa: F401  (re-exported)
     DTYPE_BYTES,
@@ -135,6 +134,12 @@ class ParamTable:
     tied: bool
     dense_layer: tuple[Param, ...] = ()
     """An MoE model's dense block (``layer`` is its MoE block); empty otherwise."""
+    sparse: tuple[bool, ...] = ()
+    """An MoE model's blocks in order, whether each is an MoE block; empty otherwise."""
+
+    def block(self, index: int) -> tuple[Param, ...]:
+        """The parameters of global block ``index``, as its kind."""
+        return self.dense_layer if self.sparse and not self.sparse[index] else self.layer
 
     def layer_numel(self, tp: int = 1, ep: int = 1) -> int:
         return _numel_cached(self, tp, False, ep)
@@ -212,8 +217,10 @@ def _param_table(key: tuple, model_cfg_obj) -> ParamTable:
     if moe and layer_counts(model_cfg_obj)[0]:
         plain = dense_layer_config(one)
         dense = tuple(_named_params(plain)["layer"])
+    sparse = tuple(model_cfg_obj.moe.is_sparse(i) for i in range(model_cfg_obj.num_layers)) \
+        if moe else ()
     table = ParamTable(*(tuple(groups[k]) for k in ("embed", "layer", "final", "head")),
-                       tied=model_cfg_obj.tie_embeddings, dense_layer=dense)
+                       tied=model_cfg_obj.tie_embeddings, dense_layer=dense, sparse=sparse)
     _TABLES[key] = table
     return table
 
@@ -275,13 +282,16 @@ def model_active_param_count(m) -> int:
 def stage_param_list(table: ParamTable, stage: int, num_stages: int, n_layers: int,
                      m=None, stage_layers: tuple[int, ...] | None = None
                      ) -> list[tuple[Param, bool]]:
-    """Every parameter on one pipeline stage, with whether it is a block's.
-    With ``m`` and ``stage_layers`` (every stage's block count) the stage's
-    blocks are its own, dense or MoE (:func:`giantmodel.planner.moe.stage_block_params`);
+    """Every parameter on one pipeline stage, in the order the stage
+    registers them, with whether it is a block's. With ``stage_layers``
+    (every stage's block count) the stage's blocks are its own, each as its
+    kind, dense or MoE (``ParamTable.block``; ``m`` is not needed);
     without them, ``n_layers`` blocks of ``table.layer`` (exact for a dense model)."""
     out = [(p, False) for p in table.embed] if stage == 0 else []
-    if m is not None and stage_layers is not None:
-        out += [(p, True) for p in stage_block_params(table, m, stage_layers, stage)]
+    if stage_layers is not None:
+        start = sum(stage_layers[:stage])
+        out += [(p, True) for i in range(start, start + stage_layers[stage])
+                for p in table.block(i)]
     else:
         out += [(p, True) for _ in range(n_layers) for p in table.layer]
     if stage == num_stages - 1:
@@ -685,7 +695,8 @@ def layout_strategy(table: ParamTable, layout: Layout, hw=None) -> str:
 
 def own_buffer_geometry(table: ParamTable, layout: Layout) -> tuple[float, float]:
     """(padding, share of the gradients in the first bucket) of zero 1/2's
-    flat buffers, the largest over the pipeline ranks
+    flat buffers (each stage's blocks as their kind, in order), the largest
+    over the pipeline ranks
     (:func:`giantmodel.parallel.flat_buffer.padding_and_first_bucket`); (0, 0)
     for zero 0, one data-parallel rank or a frozen base."""
     n = layout.dp * layout.cp
@@ -696,7 +707,7 @@ def own_buffer_geometry(table: ParamTable, layout: Layout) -> tuple[float, float
             sizes = tuple(math.prod(shape) for s in layout.rank_stages(r)
                           for shape in stage_params(table, s, layout.num_stages,
                                                     layout.stage_layers[s], layout.tp,
-                                                    layout.ep))
+                                                    layout.ep, stage_layers=layout.stage_layers))
             p, f = _geometry(sizes, n, bucket)
             pad, first = max(pad, p), max(first, f)
     return pad, first

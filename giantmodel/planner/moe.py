@@ -106,13 +106,15 @@ def stage_block_counts(m, stage_layers: Sequence[int], stage: int) -> tuple[int,
 
 def stage_block_params(table, m, stage_layers: Sequence[int], stage: int) -> list:
     """The block parameters (``table``'s ``Param`` rows) of one pipeline
-    stage: the MoE block's (``table.layer``) per MoE block and the dense
-    block's (``table.dense_layer``) per dense block."""
-    dense, sparse = stage_block_counts(m, stage_layers, stage)
+    stage, block by block in the model's order: the MoE block's
+    (``table.layer``) for an MoE block, the dense block's
+    (``table.dense_layer``) for a dense one."""
+    start = sum(stage_layers[:stage])
+    blocks = range(start, start + stage_layers[stage])
     if m.moe is None:
-        return [p for _ in range(dense) for p in table.layer]
-    return ([p for _ in range(sparse) for p in table.layer]
-            + [p for _ in range(dense) for p in table.dense_layer])
+        return [p for _ in blocks for p in table.layer]
+    return [p for i in blocks
+            for p in (table.layer if m.moe.is_sparse(i) else table.dense_layer)]
 
 
 def block_config(m, sparse: bool):
