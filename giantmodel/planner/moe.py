@@ -11,13 +11,14 @@ giantmodel.parallel.expert run it:
 * total against active parameters: a token runs ``top_k`` of the E routed
   experts plus the shared experts, so the model FLOPs (and MFU, as
   Megatron-Core counts it) use 6 x the active parameters plus attention;
-* activations (:func:`giantmodel.planner.terms.moe_ffn_terms`): the router's fp32 logits and scores ([N, E] each), the
-  dispatched token copies ([N k, h]: the fp32 gather, the compute-dtype cast
-  the expert GEMM keeps, the combine's [N, k, h] expert outputs), and each
-  expert's SwiGLU intermediates for the rows it receives. Dropless routing is
-  costed at balanced loads, so each rank's experts receive N k rows whatever
-  ep is (N tokens on each of the ep ranks, k / ep of each to every rank);
-  a capacity factor below 1 caps them at capacity_factor x N k;
+* activations (:func:`giantmodel.planner.terms.moe_ffn_terms`): the router's
+  fp32 copy of its input and its scores ([N, E]), the routing ids, weights
+  and sort indices, the dispatched token copies ([N k, h]), each expert's
+  SwiGLU intermediates for the rows it receives, the combine's [N, k, h]
+  expert outputs. Dropless routing is costed at balanced loads, so each
+  rank's experts receive N k rows whatever ep is (N tokens on each of the
+  ep ranks, k / ep of each to every rank); a capacity factor below 1 caps
+  them at capacity_factor x N k;
 * time: the routed experts run as grouped GEMMs of N k / E' rows per expert
   (E' = E / ep experts receiving ep x N k / E rows each) at
   ``grouped_gemm_efficiency``; the dispatch and combine all-to-alls move each
