@@ -195,11 +195,11 @@ class _ExpertLoop(torch.autograd.Function):
     place: no cat of E outputs, no stack of E weight gradients, no fresh
     buffer per expert); the forward's element-wise steps run once over all
     rows, the backward's per expert in two scratch buffers of the largest
-    expert's rows (a transient of 2 x rows x ffn, not the routed rows'). Saved tensors are never modified, so a
-    second backward (zero-bubble pipelines split the input and weight
-    gradients) gives the same result. Saved, as autograd would save them:
-    ``x w1``, ``x w3``, ``silu(x w1)`` and the gated product of every
-    routed row."""
+    expert's rows (a transient of 2 x rows x ffn, not the routed rows').
+    Saved tensors are never modified, so a second backward (zero-bubble
+    pipelines split the input and weight gradients) gives the same result.
+    Saved, as autograd would save them: ``x w1``, ``x w3``, ``silu(x w1)``
+    and the gated product of every routed row."""
 
     @staticmethod
     def forward(ctx, x, counts: list[int], w1, w3, w2):
