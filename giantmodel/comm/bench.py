@@ -163,7 +163,10 @@ def _bench_ranks(rank: int, world: int, spec: dict) -> list[dict]:
     dtype = getattr(torch, spec["dtype"])
     groups = {}
     for name in spec["backends"]:
-        options = comm.GiantOptions(node_size=spec["node_size"])
+        # emulated nodes are asked for to time the hierarchical forms, the
+        # all-to-all's too (which "auto" keeps flat)
+        options = comm.GiantOptions(node_size=spec["node_size"],
+                                    hierarchical="on" if spec["node_size"] else "auto")
         groups[name] = (dist.new_group(backend=name, pg_options=options) if name == "giant"
                         else None)
     rows = []
