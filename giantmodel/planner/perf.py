@@ -92,6 +92,7 @@ from giantmodel.planner.moe import (
 from giantmodel.planner.roofline import gemm_time, matmul_rate, mem_time  # noqa: F401 (matmul_rate: re-exported)
 from giantmodel.planner.terms import (
     family_extra_bytes,
+    gated_working_bytes,
     norm_working_bytes,
     sp_recomputed_matmuls,
 )
@@ -229,6 +230,9 @@ def layer_time(m, layout: Layout, hw, cluster: Cluster, opts: PerfOptions,
     # the norms' fp32 working tensors: written in forward, rebuilt in backward, not kept
     acts.update(norm_working_bytes(m, prec, layout.micro_batch, layout.seq_len, t,
                                    layout.sp, cp))
+    # and the gated activation's act(gate): written, read by the product, rebuilt in backward
+    acts.update(gated_working_bytes(m, prec, layout.micro_batch, layout.seq_len, t,
+                                    layout.sp, cp))
     none = sum(acts.values())
     elem = mem_time(hw, 2.0 * none)   # each tensor written once, read once
     comm_f, comm_b, regather = _tp_cp_comm(m, layout, hw, cluster)

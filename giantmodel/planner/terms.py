@@ -428,6 +428,31 @@ def norm_working_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: in
     return out
 
 
+def gated_working_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
+                        cp: int) -> dict[str, float]:
+    """Bytes of the gated activation's output ``act(gate)`` one block writes
+    without keeping it, one micro-batch, in the compute dtype: the fused
+    SwiGLU (``fused._GatedAct``: the dense FFN, an MoE layer's shared
+    experts) keeps gate and up, but its forward still writes ``act(gate)``
+    before the product reads it, and backward rebuilds it. As for
+    :func:`norm_working_bytes`: an element-wise pass the time model counts
+    and the memory model does not; while the block kept it (before the
+    fused path), it was a saved tensor and timed as one. The routed experts
+    keep theirs (``moe.experts.silu``), GPT's GELU output is w2's kept input."""
+    if m.arch != "llama":
+        return {}
+    c = DTYPE_BYTES[precision]
+    tokens = micro_batch * seq_len / cp
+    if m.moe is None:
+        return {"feed_forward.act_work": tokens * c * m.ffn_hidden_size / tp}
+    moe = m.moe
+    if not moe.num_shared_experts:
+        return {}
+    fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size
+                                   or moe.expert_ffn_hidden_size or m.ffn_hidden_size)
+    return {"moe.shared.act_work": tokens * c * fs}   # whole on every tp rank
+
+
 def family_extra_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,
                        cp: int, accelerator: bool) -> dict[str, float]:
     """What one block keeps (no recompute, one micro-batch) that
