@@ -190,38 +190,40 @@ class _ExpertLoop(torch.autograd.Function):
     through its SwiGLU ``w2(silu(x w1) * x w3)``; the stacked weights stay
     [E, in, out].
 
-    The matmuls run one expert at a time, writing into row ranges of tensors
-    that hold every routed row (each output and weight gradient lands in
-    place: no cat of E outputs, no stack of E weight gradients, no fresh
-    buffer per expert); the forward's element-wise steps run once over all
-    rows, the backward's per expert in two scratch buffers of the largest
-    expert's rows (a transient of 2 x rows x ffn, not the routed rows').
-    Saved tensors are never modified, so a second backward (zero-bubble
-    pipelines split the input and weight gradients) gives the same result.
-    Saved, as autograd would save them: ``x w1``, ``x w3``, ``silu(x w1)``
-    and the gated product of every routed row."""
+    The same matmuls and element-wise kernels as autograd would run, one
+    expert at a time, with fewer fresh buffers: each expert's output and
+    each weight gradient is written in place into one [M, *] or [E, in, out]
+    tensor (no cat of E outputs, no stack of E weight gradients), and the
+    backward's element-wise steps reuse two scratch buffers of the largest
+    expert's rows. Saved tensors are never modified, so a second backward
+    (zero-bubble pipelines split the input and weight gradients) gives the
+    same result. Saved, as autograd would save them: each expert's rows'
+    ``x w1``, ``x w3`` (plain matmul outputs, which selective recompute
+    keeps), ``silu(x w1)`` and the gated product."""
 
     @staticmethod
     def forward(ctx, x, counts: list[int], w1, w3, w2):
         spans = _spans(counts, w1.shape[0])
-        routed = sum(counts[:w1.shape[0]])
-        a, b = (x.new_empty(routed, w1.shape[2]) for _ in range(2))
-        for e, s, n in spans:
-            torch.mm(x[s:s + n], w1[e], out=a[s:s + n])
-            torch.mm(x[s:s + n], w3[e], out=b[s:s + n])
-        sa = F.silu(a)
-        h = sa * b
         out = x.new_empty(x.shape[0], w2.shape[2])
+        saved = []
         for e, s, n in spans:
-            torch.mm(h[s:s + n], w2[e], out=out[s:s + n])
+            xe = x[s:s + n]
+            # plain mm (not out=): selective recompute keeps matmul outputs
+            # by op, and would re-run an out= variant in backward
+            a, b = torch.mm(xe, w1[e]), torch.mm(xe, w3[e])
+            sa = F.silu(a)
+            h = sa * b
+            torch.mm(h, w2[e], out=out[s:s + n])
+            saved += [a, b, sa, h]
+        routed = sum(counts[:w1.shape[0]])
         out[routed:].zero_()  # dropped rows: never read
         ctx.spans, ctx.routed = spans, routed
-        ctx.save_for_backward(x, w1, w3, w2, a, b, sa, h)
+        ctx.save_for_backward(x, w1, w3, w2, *saved)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w3, w2, a, b, sa, h = ctx.saved_tensors
+        x, w1, w3, w2, *saved = ctx.saved_tensors
         need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
         spans, routed = ctx.spans, ctx.routed
         grad_out = grad_out.contiguous()
@@ -235,15 +237,15 @@ class _ExpertLoop(torch.autograd.Function):
         # 0.6-0.8x its rate; one contiguous copy of an expert's rows serves both.
         copy_xt = x.device.type == "cpu" and x.dtype.itemsize == 2
         # two scratch buffers of the largest expert's rows: d h (then d (x w1)), d (x w3)
-        scratch = a.new_empty(2, max((n for _, _, n in spans), default=0), a.shape[1])
-        for e, s, n in spans:
+        scratch = x.new_empty(2, max((n for _, _, n in spans), default=0), w1.shape[2])
+        for i, (e, s, n) in enumerate(spans):
+            a, b, sa, h = saved[4 * i:4 * i + 4]
             xe, ge = x[s:s + n], grad_out[s:s + n]
             if need_w2:
-                torch.mm(h[s:s + n].t(), ge, out=gw[2][e])
+                torch.mm(h.t(), ge, out=gw[2][e])
             gh = torch.mm(ge, w2[e].t(), out=scratch[0, :n])                        # d h
-            g_b = torch.mul(sa[s:s + n], gh, out=scratch[1, :n])                     # d (x w3)
-            g_a = torch.ops.aten.silu_backward.grad_input(gh.mul_(b[s:s + n]), a[s:s + n],
-                                                          grad_input=gh)             # d (x w1)
+            g_b = torch.mul(sa, gh, out=scratch[1, :n])                              # d (x w3)
+            g_a = torch.ops.aten.silu_backward.grad_input(gh.mul_(b), a, grad_input=gh)  # d (x w1)
             if need_x:
                 torch.mm(g_a, w1[e].t(), out=gx[s:s + n]).addmm_(g_b, w3[e].t())
             if need_w1 or need_w3:
