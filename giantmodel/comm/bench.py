@@ -285,13 +285,18 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--splits: use even and/or random")
     if args.repeat < 1:
         raise SystemExit("--repeat: must be >= 1")
+    worlds = [int(r) for r in args.ranks.split(",")]
+    uneven = [w for w in worlds if args.node_size and w % args.node_size]
+    if uneven:  # hierarchical collectives need equal nodes (Topology refuses others)
+        raise SystemExit(f"--node-size {args.node_size} does not divide --ranks {uneven}; "
+                         "emulated nodes must be equal")
     spec = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "ops": ops,
             "backends": backends, "dtype": args.dtype, "node_size": args.node_size,
             "seconds": args.seconds, "splits": splits, "repeat": args.repeat}
     mem = stream_bandwidth() if args.stream else {}
     load_before = os.getloadavg()[0]
     rows: list[dict] = []
-    for world in (int(r) for r in args.ranks.split(",")):
+    for world in worlds:
         rows += run_ranks(_bench_ranks, world, spec, timeout=args.timeout,
                           pg_timeout=args.timeout)[0]
     _add_ratios(rows, mem)
