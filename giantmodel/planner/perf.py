@@ -710,7 +710,8 @@ def fresh_scratch_time(m, layout: Layout, hw) -> float:
     table = param_table(m)
     if layout_strategy(table, layout, hw) != "own":
         return 0.0
-    shapes = stage_params(table, 0, layout.num_stages, layout.stage_layers[0], layout.tp)
+    shapes = stage_params(table, 0, layout.num_stages, layout.stage_layers[0], layout.tp,
+                          layout.ep, m=m, stage_layers=layout.stage_layers)
     flat = layout_sizes([math.prod(s) for s in shapes], owners=n,
                         bucket_numel=int(layout.bucket_mb * MIB) // 4)
     scratch = 4 * flat.largest   # fp32 gradients
