@@ -270,9 +270,8 @@ class ModelConfig:
         """Parameters of one MoE feed-forward (router, experts, shared experts);
         ``active``: only the top_k routed experts a token uses."""
         m, h = self.moe, self.hidden_size
-        expert = 3 * h * (m.expert_ffn_hidden_size or self.ffn_hidden_size)
-        shared = 3 * h * m.num_shared_experts * (
-            m.shared_expert_ffn_hidden_size or m.expert_ffn_hidden_size or self.ffn_hidden_size)
+        expert = 3 * h * m.expert_width(self.ffn_hidden_size)
+        shared = 3 * h * m.shared_width(self.ffn_hidden_size)
         return (h * m.num_experts + (m.top_k if active else m.num_experts) * expert + shared
                 + (h if m.shared_expert_gate else 0))
 

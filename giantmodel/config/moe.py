@@ -79,6 +79,18 @@ class MoEConfig:
                  "z_loss": self.z_loss_coeff}
         return {k: v for k, v in named.items() if v > 0}
 
+    def expert_width(self, ffn_hidden_size: int) -> int:
+        """Inner width of one routed expert: expert_ffn_hidden_size, else
+        the model's ``ffn_hidden_size``."""
+        return self.expert_ffn_hidden_size or ffn_hidden_size
+
+    def shared_width(self, ffn_hidden_size: int) -> int:
+        """Inner width of the shared experts' one SwiGLU: num_shared_experts
+        times shared_expert_ffn_hidden_size (else the routed experts'); 0
+        without shared experts."""
+        return self.num_shared_experts * (self.shared_expert_ffn_hidden_size
+                                          or self.expert_width(ffn_hidden_size))
+
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) has an MoE feed-forward."""
         if layer < self.first_k_dense or layer in self.dense_layers:

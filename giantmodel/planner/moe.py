@@ -84,7 +84,7 @@ def layer_counts(m) -> tuple[int, int]:
 
 def expert_numel(m) -> int:
     """Parameters of one routed expert (a SwiGLU of expert_ffn_hidden_size)."""
-    return 3 * m.hidden_size * (m.moe.expert_ffn_hidden_size or m.ffn_hidden_size)
+    return 3 * m.hidden_size * m.moe.expert_width(m.ffn_hidden_size)
 
 
 def inactive_params(m) -> int:
@@ -205,8 +205,7 @@ def shared_matmul_shapes(m, t: int) -> dict[str, tuple[float, float]]:
     moe, h = m.moe, m.hidden_size
     if not moe.num_shared_experts:
         return {}
-    fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size
-                                   or moe.expert_ffn_hidden_size or m.ffn_hidden_size)
+    fs = moe.shared_width(m.ffn_hidden_size)
     return {"w1": (h, fs), "w3": (h, fs), "w2": (fs, h)}
 
 
@@ -237,7 +236,7 @@ def expert_gemm_time(m, layout, hw, tokens: float) -> float:
     """Forward time of one MoE block's routed experts on one rank: E / ep
     local experts, each receiving ep x tokens x rows-per-token / E rows."""
     moe, h = m.moe, m.hidden_size
-    f = moe.expert_ffn_hidden_size or m.ffn_hidden_size
+    f = moe.expert_width(m.ffn_hidden_size)
     local = moe.num_experts // layout.ep
     rows = tokens * routed_rows_per_token(m) * layout.ep / moe.num_experts
     prec = layout.precision

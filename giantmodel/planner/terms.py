@@ -246,7 +246,7 @@ def moe_ffn_terms(m, precision: str) -> list[Term]:
     c = DTYPE_BYTES[precision]
     moe, h = m.moe, m.hidden_size
     k, e = moe.top_k, moe.num_experts
-    f = moe.expert_ffn_hidden_size or m.ffn_hidden_size
+    f = moe.expert_width(m.ffn_hidden_size)
     rows = routed_rows_per_token(m)
     terms = [Term("moe.router_input", 4 * h, "full"), Term("moe.router_scores", 4 * e, "full"),
              Term("moe.topk_ids", 8 * k, "full")]
@@ -266,7 +266,7 @@ def moe_ffn_terms(m, precision: str) -> list[Term]:
               # the combine's [N, k, h] expert outputs, kept by its weighted sum
               Term("moe.combine_in", c * k * h, "full")]
     if moe.num_shared_experts:
-        fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size or f)
+        fs = moe.shared_width(m.ffn_hidden_size)
         if c < 4:
             terms.append(Term("moe.shared.input", c * h, "full"))
         terms += [Term("moe.shared.w1_out", c * fs, "full"), Term("moe.shared.w3_out", c * fs, "full"),
@@ -445,12 +445,8 @@ def gated_working_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: i
     tokens = micro_batch * seq_len / cp
     if m.moe is None:
         return {"feed_forward.act_work": tokens * c * m.ffn_hidden_size / tp}
-    moe = m.moe
-    if not moe.num_shared_experts:
-        return {}
-    fs = moe.num_shared_experts * (moe.shared_expert_ffn_hidden_size
-                                   or moe.expert_ffn_hidden_size or m.ffn_hidden_size)
-    return {"moe.shared.act_work": tokens * c * fs}   # whole on every tp rank
+    fs = m.moe.shared_width(m.ffn_hidden_size)
+    return {"moe.shared.act_work": tokens * c * fs} if fs else {}   # whole on every tp rank
 
 
 def family_extra_bytes(m, precision: str, micro_batch: int, seq_len: int, tp: int, sp: bool,

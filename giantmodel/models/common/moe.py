@@ -343,14 +343,13 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         e = cfg.num_experts
-        expert_ffn = cfg.expert_ffn_hidden_size or ffn_hidden_size
         self.router = Router(hidden, cfg)
-        self.experts = GroupedExperts(hidden, expert_ffn, e, cfg.experts_impl)
+        self.experts = GroupedExperts(hidden, cfg.expert_width(ffn_hidden_size), e,
+                                      cfg.experts_impl)
         self.shared_experts: nn.Module | None = None
         self.shared_experts_gate: nn.Module | None = None
         if cfg.num_shared_experts:
-            width = cfg.num_shared_experts * (cfg.shared_expert_ffn_hidden_size or expert_ffn)
-            self.shared_experts = SwiGLU(hidden, width)
+            self.shared_experts = SwiGLU(hidden, cfg.shared_width(ffn_hidden_size))
             if cfg.shared_expert_gate:
                 self.shared_experts_gate = nn.Linear(hidden, 1, bias=False)
         # Per optimizer step (see the module docstring): loads [E], then the

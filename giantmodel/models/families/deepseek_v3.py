@@ -139,7 +139,7 @@ class DeepseekV3Family(StackedExperts, Family):
             "architectures": [self.architectures[0]], "model_type": self.name,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.ffn_hidden_size,
-            "moe_intermediate_size": m.expert_ffn_hidden_size or cfg.ffn_hidden_size,
+            "moe_intermediate_size": m.expert_width(cfg.ffn_hidden_size),
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_heads, "n_shared_experts": m.num_shared_experts,
             "n_routed_experts": m.num_experts, "routed_scaling_factor": m.routed_scaling_factor,

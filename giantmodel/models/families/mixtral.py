@@ -48,7 +48,7 @@ class MixtralFamily(StackedExperts, MistralFamily):
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         out = super().config_to_hf(cfg)
         out.update(num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
-                   intermediate_size=cfg.moe.expert_ffn_hidden_size or cfg.ffn_hidden_size,
+                   intermediate_size=cfg.moe.expert_width(cfg.ffn_hidden_size),
                    router_jitter_noise=0.0, output_router_logits=False)
         return out
 

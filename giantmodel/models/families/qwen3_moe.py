@@ -57,7 +57,7 @@ class Qwen3MoeFamily(StackedExperts, Qwen3Family):
         dense = sorted(set(m.dense_layers) | set(range(m.first_k_dense)))
         out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k,
                    norm_topk_prob=m.norm_topk_prob,
-                   moe_intermediate_size=m.expert_ffn_hidden_size or cfg.ffn_hidden_size,
+                   moe_intermediate_size=m.expert_width(cfg.ffn_hidden_size),
                    decoder_sparse_step=m.sparse_step, mlp_only_layers=dense,
                    output_router_logits=False)
         return out
