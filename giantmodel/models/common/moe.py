@@ -535,38 +535,16 @@ def balance_losses(route: Routing, loads: torch.Tensor, b: int, t: int, cfg: MoE
     * seq_aux_loss (DeepSeek-V3): the same within each sequence, averaged;
     * z_loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
 
-    ``reduce`` (context parallelism: these are ``t`` tokens of each of ``b``
-    sequences whose other tokens sit on other ranks) sums a tensor over
-    those ranks, differentiably: the losses are then those of the whole
-    sequences, the same value on every such rank (see :func:`_whole_sequence_losses`)."""
-    if reduce is not None:
-        return _whole_sequence_losses(route, loads, b, t, cfg, reduce)
-    e, k = cfg.num_experts, cfg.top_k
-    out = {}
-    if cfg.aux_loss_coeff > 0:
-        f = loads / (b * t * k)
-        out["aux_loss"] = e * (f * route.probs.mean(dim=0)).sum()
-    if cfg.seq_aux_loss_coeff > 0:
-        per_seq = torch.zeros(b, e, device=loads.device).scatter_add_(
-            1, route.experts.view(b, t * k), torch.ones(b, t * k, device=loads.device))
-        f = per_seq * e / (k * t)
-        out["seq_aux_loss"] = (f * route.probs.view(b, t, e).mean(dim=1)).sum(dim=-1).mean()
-    if cfg.z_loss_coeff > 0:
-        out["z_loss"] = torch.logsumexp(route.logits, dim=-1).square().mean()
-    return out
-
-
-def _whole_sequence_losses(route: Routing, loads: torch.Tensor, b: int, t: int, cfg: MoEConfig,
-                           reduce: Callable[[torch.Tensor], torch.Tensor],
-                           ) -> dict[str, torch.Tensor]:
-    """:func:`balance_losses` from sums over the ranks that each hold part
-    of the same ``b`` sequences (sequence i is the same one on every rank):
-    one ``reduce`` of [tokens, loads E, prob sums E, per-sequence counts
-    b x E, per-sequence prob sums b x E, sum of logsumexp^2], holding only
-    the parts whose loss is on. Each rank then weights the (identical) loss
-    by its own share of the tokens; the reduce's backward sums those
-    weights back, so the data-parallel gradient sum over these ranks gives
-    the one-process gradient."""
+    Each is built from sums: [tokens, loads E, prob sums E, per-sequence
+    counts b x E, per-sequence prob sums b x E, sum of logsumexp^2], only
+    the parts whose loss is on. ``reduce`` (context parallelism: these are
+    ``t`` tokens of each of ``b`` sequences whose other tokens sit on other
+    ranks, sequence i the same one on every rank) sums them over those
+    ranks in one call, differentiably: the losses are then those of the
+    whole sequences, the same value on every such rank. Each rank weights
+    that loss by its own share of the tokens; the reduce's backward sums
+    those weights back, so the data-parallel gradient sum over these ranks
+    gives the one-process gradient."""
     e, k = cfg.num_experts, cfg.top_k
     probs = route.probs
     parts: dict[str, torch.Tensor] = {}
@@ -581,8 +559,9 @@ def _whole_sequence_losses(route: Routing, loads: torch.Tensor, b: int, t: int, 
         parts["z"] = torch.logsumexp(route.logits, dim=-1).square().sum().view(1)
     if not parts:
         return {}
-    tokens = torch.full((1,), float(b * t), device=probs.device)
-    summed = reduce(torch.cat([tokens, *parts.values()]))
+    summed = torch.cat([torch.full((1,), float(b * t), device=probs.device), *parts.values()])
+    if reduce is not None:
+        summed = reduce(summed)
     n, got = summed[0], dict(zip(parts, summed[1:].split([p.numel() for p in parts.values()]),
                                  strict=True))
     out = {}
