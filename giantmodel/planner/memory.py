@@ -63,6 +63,7 @@ from giantmodel.planner.layout import Layout
 from giantmodel.planner.moe import (
     block_config,
     block_sparsity,
+    is_moe_block,
     rank_block_kinds,
 )
 from giantmodel.planner.params import (  # noqa: F401  (re-exported: callers import them here)
@@ -720,7 +721,7 @@ def zero3_kept_numel(m, layout: Layout) -> tuple[float, bool]:
         return 0.0, False
     table = param_table(m)
     # each block its own kind's shard, in model order (dense blocks of an MoE model as dense)
-    sparse = [m.moe is not None and m.moe.is_sparse(i) for i in range(m.num_layers)]
+    sparse = [is_moe_block(m, i) for i in range(m.num_layers)]
     size = {sp: block_local_numel(table, layout, sp) for sp in set(sparse)}
     blocks = [size[sp] for sp in sparse]
     edges = sum(math.prod(p.local_shape(layout.tp)) for p in table.embed + table.head + table.final)

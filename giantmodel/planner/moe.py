@@ -118,6 +118,11 @@ def stage_block_params(table, m, stage_layers: Sequence[int], stage: int) -> lis
             for p in (table.layer if m.moe.is_sparse(i) else table.dense_layer)]
 
 
+def is_moe_block(m, layer: int) -> bool:
+    """Whether block ``layer`` of ``m`` has an MoE feed-forward (never in a dense model)."""
+    return m.moe is not None and m.moe.is_sparse(layer)
+
+
 def block_config(m, sparse: bool):
     """The config one block of a kind is costed with: ``m`` for an MoE block
     (and for any block of a dense model), ``m`` with a dense feed-forward
@@ -140,7 +145,7 @@ def rank_block_kinds(m, layout, pp_rank: int) -> dict[tuple[bool, str], int]:
     starts = [sum(layout.stage_layers[:s]) for s in range(layout.num_stages)]
     blocks = [i for s in stages for i in range(starts[s], starts[s] + layout.stage_layers[s])]
     for i, mode in zip(blocks, layout.layer_modes(pp_rank)):
-        kind = (m.moe is not None and m.moe.is_sparse(i), mode)
+        kind = (is_moe_block(m, i), mode)
         out[kind] = out.get(kind, 0) + 1
     return out
 

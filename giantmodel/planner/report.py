@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 from giantmodel.core.pipeline_split import balanced_split
 from giantmodel.planner.layout import Cluster, Layout
 from giantmodel.planner.memory import MemoryReport, memory_report
-from giantmodel.planner.moe import block_config
+from giantmodel.planner.moe import block_config, is_moe_block
 from giantmodel.planner.perf import PerfOptions, PerfReport, edge_times, layer_time
 
 GB = 1e9
@@ -25,7 +25,7 @@ def pipeline_report(m, layout: Layout, hw, cluster: Cluster,
     # each block under its own recompute mode and as its kind: a dense block
     # of an MoE model (DeepSeek-V3's first three) runs its dense FFN, no
     # experts and no all-to-all (giantmodel.planner.moe)
-    kinds = [(m.moe is not None and m.moe.is_sparse(i), mode) for i, mode in enumerate(modes)]
+    kinds = [(is_moe_block(m, i), mode) for i, mode in enumerate(modes)]
     per_kind = {kind: layer_time(block_config(m, kind[0]), layout, hw, cluster, opts,
                                  kind[1]).total for kind in set(kinds)}
     block = [per_kind[kind] for kind in kinds]
