@@ -66,9 +66,6 @@ def _weights(shape: dict):
     return gate, w1, w3, w2
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-
-
 def build_giantmodel(shape: dict, weights, group=None):
     """giantmodel's layer over an ep mesh on ``group`` (None: the default gloo group)."""
     import torch
@@ -138,15 +135,6 @@ def _step(name: str, layer, x, grad):
     return y.detach(), x.grad
 
 
-def _diff(a, b) -> float:
-    """max |a - b| in fp32; |a - b| / |b| (norms) in a 2-byte dtype."""
-    import torch
-
-    a, b = a.double(), b.double()
-    return (a - b).abs().max().item() if a.dtype == torch.float32 else \
-        ((a - b).norm() / b.norm()).item()
-
-
 def rank_main(rank: int, world: int, shape: dict, reps: int, warmup: int,
               dtypes: list[str]) -> dict:
     import deepspeed
@@ -155,6 +143,9 @@ def rank_main(rank: int, world: int, shape: dict, reps: int, warmup: int,
 
     from giantmodel import comm
     from giantmodel.core.hostmem import keep_freed_host_memory
+
+    sys.path.insert(0, str(HERE))
+    from moe_reps import DTYPES
 
     torch.set_num_threads(1)
     keep_freed_host_memory()
@@ -171,6 +162,7 @@ def _compare(rank: int, world: int, shape: dict, reps: int, warmup: int, dtype,
     import deepspeed
     import torch
     import torch.distributed as dist
+    from moe_reps import alternating_reps, difference
 
     weights = _weights(shape)
     layers = {"giantmodel": build_giantmodel(shape, weights),
@@ -187,14 +179,12 @@ def _compare(rank: int, world: int, shape: dict, reps: int, warmup: int, dtype,
     x, grad = x.to(dtype), grad.to(dtype)
     ref = _step("giantmodel", layers["giantmodel"], x, grad)
     got = _step("deepspeed", layers["deepspeed"], x, grad)
-    diff = {"out": _diff(ref[0], got[0]), "grad_x": _diff(ref[1], got[1])}
+    diff = {"out": difference(ref[0], got[0]), "grad_x": difference(ref[1], got[1])}
     same = _step("giantmodel_giant", layers["giantmodel_giant"], x, grad)
     if not (torch.equal(same[0], ref[0]) and torch.equal(same[1], ref[1])):
         raise RuntimeError("giantmodel on the giant backend differs from giantmodel on gloo")
     if max(diff.values()) > (1e-5 if dtype == torch.float32 else 1e-1):
         raise RuntimeError(f"giantmodel and dropless DeepSpeed differ ({dtype}): {diff}")
-    sys.path.insert(0, str(HERE))
-    from moe_reps import alternating_reps
 
     def run(name: str) -> float:
         dist.barrier()

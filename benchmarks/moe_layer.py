@@ -47,7 +47,8 @@ import statistics
 import time
 
 import torch
-from moe_reps import alternating_reps, print_table
+from moe_reps import DTYPES as DTYPE_NAMES
+from moe_reps import alternating_reps, difference, print_table
 
 from giantmodel.core.hostmem import keep_freed_host_memory
 
@@ -55,7 +56,7 @@ SHAPE = dict(hidden=512, ffn=1792, experts=8, top_k=2, batch=2, seq=2048)
 HF_IMPLS = ("eager", "grouped_mm")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {name: getattr(torch, t) for name, t in DTYPE_NAMES.items()}
 # fp32: max |difference|; bf16: relative difference in norm (see the docstring)
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-1}
 TOLERANCE_OWN_FP32 = 2e-2
@@ -104,14 +105,7 @@ def step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.T
 
 def check_equal(ours, hf, x: torch.Tensor, grad: torch.Tensor, impls) -> dict:
     """Differences of outputs, input and weight gradients, per HF
-    implementation: max |a - b| in fp32, |a - b| / |b| (norms) otherwise."""
-
-    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
-        a, b = a.double(), b.double()
-        if x.dtype == torch.float32:
-            return (a - b).abs().max().item()
-        return ((a - b).norm() / b.norm()).item()
-
+    implementation (:func:`moe_reps.difference`)."""
     out = {}
     with torch.no_grad():
         y_ours = ours(x)
@@ -123,8 +117,8 @@ def check_equal(ours, hf, x: torch.Tensor, grad: torch.Tensor, impls) -> dict:
         with torch.no_grad():
             y_ref = ref(x.float())
         gx_ref = step(ref, x.float(), grad.float())
-        out["giantmodel_fp32"] = dict(out=diff(y_ours, y_ref), grad_x=diff(gx_ours, gx_ref),
-                                      grad_w1=diff(gw1, ref.experts.w1.grad))
+        out["giantmodel_fp32"] = dict(out=difference(y_ours, y_ref), grad_x=difference(gx_ours, gx_ref),
+                                      grad_w1=difference(gw1, ref.experts.w1.grad))
     for impl in impls:
         hf.experts.config._experts_implementation = impl
         with torch.no_grad():
@@ -132,8 +126,8 @@ def check_equal(ours, hf, x: torch.Tensor, grad: torch.Tensor, impls) -> dict:
         gx_hf = step(hf, x, grad)
         f = gw1.shape[-1]
         gw1_hf = hf.experts.gate_up_proj.grad[:, :f].transpose(1, 2)
-        out[impl] = dict(out=diff(y_ours, y_hf), grad_x=diff(gx_ours, gx_hf),
-                         grad_w1=diff(gw1, gw1_hf))
+        out[impl] = dict(out=difference(y_ours, y_hf), grad_x=difference(gx_ours, gx_hf),
+                         grad_w1=difference(gw1, gw1_hf))
     ours.init_buffers()
     return out
 

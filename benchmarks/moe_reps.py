@@ -7,6 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+# --dtype names -> torch dtype names
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def difference(a, b) -> float:
+    """How far ``a`` is from ``b``: max |a - b| in fp32, |a - b| / |b|
+    (norms) in a 2-byte dtype, where bf16 rounding (and routing on bf16
+    logits) makes an element-wise bound meaningless."""
+    import torch
+
+    exact = a.dtype == torch.float32
+    a, b = a.double(), b.double()
+    return (a - b).abs().max().item() if exact else ((a - b).norm() / b.norm()).item()
+
 
 def alternating_reps(names: list[str], reps: int, warmup: int,
                      run: Callable[[str], float]) -> dict[str, list[float]]:
