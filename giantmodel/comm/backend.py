@@ -6,8 +6,8 @@ C++ shared-memory core; across hosts it runs the hierarchical all-reduce,
 reduce-scatter and all-gather (:mod:`giantmodel.comm.hierarchical`), and
 the all-to-all too when ``comm.hierarchical`` is "on" (flat otherwise).
 All-to-all takes even and uneven splits (an MoE dispatch), and checks that
-the split sizes agree, wherever the core runs it. Everything else -- other dtypes and ops,
-point-to-point, CUDA tensors -- goes to an inner gloo
+the split sizes agree, wherever the core runs it. Everything else -- other
+dtypes and ops, point-to-point, CUDA tensors -- goes to an inner gloo
 (CPU) or NCCL (CUDA) backend over the same store, so a result is either
 accelerated or exactly the stock one, never an approximation.
 
