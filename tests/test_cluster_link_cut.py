@@ -9,6 +9,7 @@ the giantmodel process's own (torchrun's agent adds its own report of a
 failed worker). ``-m slow``: each case takes about a minute."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -55,7 +56,9 @@ def _rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    # Read while the trainer appends: only whole lines (ending in a newline).
+    text = path.read_text()
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
 
 
 def _losses(rows: list[dict]) -> dict[int, float]:
@@ -144,8 +147,12 @@ def _save_started(run: Path) -> bool:
     """A save under way (its ``.tmp`` directory exists) after a committed
     checkpoint, so the restart has one to resume from."""
     ckpts = run / "checkpoints"
-    return ckpts.is_dir() and any(p.name.endswith(".tmp") and int(p.name[5:13]) >= 2 * EVERY
-                                  for p in ckpts.iterdir())
+    if not ckpts.is_dir():
+        return False
+    # Only step directories count: the ``latest`` marker is also written
+    # through a ``.latest.tmp`` file, which names no step.
+    saving = (re.fullmatch(r"step-(\d+)\.tmp", p.name) for p in ckpts.iterdir())
+    return any(m is not None and int(m.group(1)) >= 2 * EVERY for m in saving)
 
 
 @pytest.mark.timeout(600)

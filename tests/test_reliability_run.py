@@ -95,7 +95,9 @@ def _steps(run: Path) -> list[int]:
     path = run / "metrics.jsonl"
     if not path.exists():
         return []
-    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    # Read while the trainer appends: only whole lines (ending in a newline).
+    text = path.read_text()
+    recs = [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
     return [r["step"] for r in recs if "loss" in r]
 
 
