@@ -510,3 +510,43 @@ def test_selective_recompute_keeps_the_expert_loops_gate_and_up_products():
     # per expert: the re-run w2 product, then d h, d w2, d x (its mm; the
     # w3 half is an addmm_), d w1, d w3: 6; 8 if x w1 and x w3 re-ran too
     assert mode.calls.get("aten.mm", 0) == 3 * 6, mode.calls
+
+
+@pytest.mark.skipif(not GROUPED_ON_CPU, reason="torch._grouped_mm has no CPU kernel here")
+def test_selective_recompute_keeps_the_grouped_gemms_outputs():
+    """The grouped path's three ``_grouped_mm`` outputs are matmul outputs
+    the selective policy keeps (the planner's selective terms count them):
+    its backward runs as many grouped GEMMs as without any recompute."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from giantmodel.models.common.moe import GroupedExperts
+    from giantmodel.parallel.recompute import _selective_context
+
+    class CountGrouped(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func.overloadpacket is torch.ops.aten._grouped_mm
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(H, F, 3, impl="grouped_mm")
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    counts = torch.tensor([4, 5, 3])
+    x = torch.randn(12, H, requires_grad=True)
+    seen = {}
+    for name, run in (("plain", lambda: experts(x, counts)),
+                      ("selective", lambda: checkpoint(lambda t: experts(t, counts), x,
+                                                       use_reentrant=False,
+                                                       context_fn=_selective_context))):
+        y = run()
+        mode = CountGrouped()
+        with mode:
+            y.sum().backward()
+        seen[name] = mode.calls
+    assert seen["plain"] > 0 and seen["selective"] == seen["plain"], seen

@@ -43,7 +43,7 @@ from giantmodel.planner.perf import (
 )
 from giantmodel.planner.report import pipeline_report, split_by_block_cost
 from giantmodel.planner.roofline import mem_time
-from giantmodel.planner.terms import moe_ffn_terms, norm_working_bytes
+from giantmodel.planner.terms import moe_ffn_terms, moe_selective_terms, norm_working_bytes
 
 
 def _model(**moe) -> ModelConfig:
@@ -425,3 +425,16 @@ def test_zero12_buffer_geometry_lists_each_block_as_its_kind():
     assert own_buffer_geometry(table, lay) == pytest.approx(worst, rel=1e-12)
     as_moe = replace(m, moe=replace(m.moe, first_k_dense=0))
     assert own_buffer_geometry(param_table(as_moe), lay) != pytest.approx(worst, rel=1e-6)
+
+
+def test_selective_keeps_every_expert_gemm_output_of_the_grouped_path():
+    """In bf16 (the GPU's grouped GEMMs) selective recompute keeps the three
+    expert GEMM outputs, the down projection's too (aten._grouped_mm is in
+    the policy's matmuls); the fp32 loop writes that one in place."""
+    m = _model()
+    rows, h, f = 2, m.hidden_size, 32      # top-2, no capacity factor
+    for precision, down in (("bf16", 2 * rows * h), ("fp32", 0)):
+        kept = {t.name: t.bytes_per_token for t in moe_selective_terms(m, precision)}
+        c = 2 if precision == "bf16" else 4
+        assert kept["moe.experts.w1_out"] == kept["moe.experts.w3_out"] == c * rows * f
+        assert kept.get("moe.experts.w2_out", 0) == down, kept

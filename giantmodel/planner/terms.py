@@ -278,11 +278,17 @@ def moe_selective_terms(m, precision: str) -> list[Term]:
     """What the selective policy keeps of an MoE feed-forward: the matmul
     outputs (the router's fp32 logits, expert and shared-expert GEMMs), the
     dispatched rows that crossed the all-to-all (the collective's result),
-    the combine's input."""
+    the combine's input. In bf16 the experts run as grouped GEMMs on the GPU,
+    whose down projection's output is a matmul output too (the CPU loop
+    writes it in place, not kept)."""
     keep = {"moe.dispatched", "moe.experts.w1_out", "moe.experts.w3_out",
             "moe.combine_in", "moe.shared.w1_out", "moe.shared.w3_out"}
-    return [Term("moe.router_logits", 4 * m.moe.num_experts, "full")] + [
+    terms = [Term("moe.router_logits", 4 * m.moe.num_experts, "full")] + [
         t for t in moe_ffn_terms(m, precision) if t.name in keep]
+    if precision == "bf16":
+        rows = routed_rows_per_token(m)
+        terms.append(Term("moe.experts.w2_out", 2 * rows * m.hidden_size, "full"))
+    return terms
 
 
 def mla_terms(m, precision: str) -> list[Term]:
