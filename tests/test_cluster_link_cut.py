@@ -99,17 +99,32 @@ def _check_diagnosis(log: str, other: int, ranks: str, phase, ended: tuple) -> N
     assert phase(last), last
 
 
+def _hold_while(c: EmulatedCluster, cut_when, run: Path, procs) -> None:
+    """Stop host1's processes inside a moment that ``cut_when`` names and that
+    rank 0 cannot leave alone. A save is far shorter than the poll's reaction
+    on a fast disk, and a held rank 1 keeps rank 0 inside it only before
+    rank 1's last part in it: once rank 1 has sent its checksums, rank 0
+    commits the save by itself. So hold, give rank 0 time to do so, and if
+    the moment is gone, let host1 go on and take the next one."""
+    while True:
+        _wait_for(lambda: cut_when(run), procs, "the moment to cut")
+        c.kill_host(1, signal.SIGSTOP)
+        time.sleep(2.0)
+        if cut_when(run):
+            return
+        c.kill_host(1, signal.SIGCONT)
+
+
 def _cut_and_restart(tmp_path: Path, cut_when, phase, hold: bool = False) -> None:
-    """``hold``: stop host1's processes the moment ``cut_when`` holds, cut, then
-    let them run on: a save is far shorter than the poll's reaction on a fast
-    disk, and a held rank 1 keeps rank 0 inside it (rank 0 cannot finish a
-    save's collectives alone)."""
+    """Cut host1's link when ``cut_when`` holds; ``hold``: inside a moment
+    host1 is held in (:func:`_hold_while`), letting it run on after the cut."""
     run = tmp_path / "run"
     with EmulatedCluster(2, link=Link(rate_mbit=1000)) as c:
         procs = _start(c, tmp_path, "a", port=29510)
-        _wait_for(lambda: cut_when(run), procs, "the moment to cut")
         if hold:
-            c.kill_host(1, signal.SIGSTOP)
+            _hold_while(c, cut_when, run, procs)
+        else:
+            _wait_for(lambda: cut_when(run), procs, "the moment to cut")
         cut = time.monotonic()
         c.cut_link(1)
         if hold:

@@ -94,10 +94,14 @@ def test_stalled_and_killed_rank_fail_fast_and_leave_no_segments():
                 p.kill()
                 p.join()
     assert want <= set(got), f"missing reports: {sorted(want - set(got))}"
+    stall = [got[("stall", r)] for r in range(VICTIM)]
+    # the first rank to time out aborts the others at that moment: a rank
+    # that entered the collective later reports less than the timeout
+    assert max(secs for _, secs in stall) > 2.5, stall
     for r in range(VICTIM):
         msg, secs = got[("stall", r)]
         assert "timed out" in msg or "aborted" in msg, msg
-        assert 2.5 < secs < 10, secs
+        assert secs < 10, secs
         msg, secs = got[("kill", r)]
         assert "died" in msg or "aborted" in msg, msg
         assert secs < 5, f"rank {r} took {secs:.1f}s to notice a dead peer"

@@ -129,7 +129,9 @@ def test_four_ranks_report_every_rank_and_the_probe(tmp_path):
     assert re.search(r"torchrun: rendezvous 127\.0\.0\.1:\d+ .*4 ranks on 1 host", report)
     for r in range(4):
         assert re.search(rf"rank {r}\s+host \S+ local rank {r}/4 device cpu", report), report
-    m = re.search(r"all-reduce 1 MiB x 4 ranks \(gloo\): [\d.]+ ms, algbw ([\d.]+) GB/s, "
+    m = re.search(r"all-reduce 1 MiB x 4 ranks \(gloo\): ([\d.]+) ms, algbw ([\d.]+) GB/s, "
                   r"busbw ([\d.]+) GB/s", report)
-    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, report
+    # the time, not the bandwidths: those print 0.00 past ~0.2 s an all-reduce
+    # on a saturated host
+    assert m and float(m.group(1)) > 0, report
     assert re.search(r"send/recv ring 1 MiB: slowest link \d->\d [\d.]+ GB/s", report)

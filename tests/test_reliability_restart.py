@@ -79,11 +79,27 @@ def _local_rank_1(launcher: int) -> int | None:
     return None
 
 
+def _stop(job: subprocess.Popen) -> None:
+    """End a launch that is still running, its workers too: torchrun passes
+    SIGTERM on to them (a SIGKILL would leave them training, slowing every
+    test after this one)."""
+    if job.poll() is None:
+        job.terminate()
+        try:
+            job.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_of_one_rank_restarts_and_resumes_bit_exact(tmp_path):
     straight = _launch(tmp_path / "straight")
-    out, _ = straight.communicate(timeout=200)
+    try:
+        out, _ = straight.communicate(timeout=200)
+    finally:
+        _stop(straight)
     assert straight.returncode == 0, out.decode()[-3000:]
     ref = _losses(tmp_path / "straight")
     assert sorted(ref) == list(range(1, STEPS + 1))
@@ -107,9 +123,7 @@ def test_sigkill_of_one_rank_restarts_and_resumes_bit_exact(tmp_path):
             time.sleep(0.05)
         out, _ = job.communicate(timeout=200)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        _stop(job)
     text = out.decode()
     assert job.returncode == 0, text[-3000:]
     assert killed < STEPS, "the kill came too late to test a restart"
