@@ -96,6 +96,48 @@ def test_expert_paths_equal_the_dense_reference_with_gradients(impl):
 
 
 @pytest.mark.skipif(not GROUPED_ON_CPU, reason="torch._grouped_mm has no CPU kernel here")
+def test_grouped_path_gives_an_empty_expert_zero_rows_and_a_zero_gradient():
+    """An expert no token chose still gets one aligned block of zero rows
+    (sm100's kernel writes garbage into an empty group's weight gradient):
+    every group the kernel sees is non-empty and starts aligned, the output
+    equals the loop's, and the empty experts' weight gradients are zero."""
+    from giantmodel.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(H, F, 4, impl="grouped_mm").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    counts = torch.tensor([0, 5, 0, 3, 2])       # experts 0 and 2 empty; 2 dropped rows
+    x = torch.randn(10, H, dtype=torch.bfloat16)
+    seen = []
+    real = torch._grouped_mm
+
+    def spy(a, b, offs=None, **kw):
+        seen.append(offs.tolist())
+        return real(a, b, offs=offs, **kw)
+
+    outs, grads = [], []
+    for impl in ("grouped_mm", "loop"):
+        experts.impl = impl
+        experts.zero_grad()
+        torch._grouped_mm = spy
+        try:
+            y = experts(x, counts)
+        finally:
+            torch._grouped_mm = real
+        y[:8].float().sum().backward()
+        outs.append(y[:8].float())
+        grads.append([p.grad.float() for p in (experts.w1, experts.w3, experts.w2)])
+    sizes = [b - a for a, b in zip([0] + seen[0][:-1], seen[0])]
+    assert all(s > 0 and s % 8 == 0 for s in sizes[:-1]) and sizes[-1] > 0, seen[0]
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for g, r in zip(*grads):
+        assert g[[0, 2]].abs().max() == 0 and r[[0, 2]].abs().max() == 0
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not GROUPED_ON_CPU, reason="torch._grouped_mm has no CPU kernel here")
 def test_grouped_path_in_bf16_pads_groups_and_matches_the_loop():
     """bf16 groups start at multiples of 8 rows: the padded buffer must not
     change the result (and its rows past the groups stay finite)."""

@@ -162,18 +162,21 @@ class GroupedExperts(nn.Module):
         group runs to the buffer's end: every output row is then computed
         (torch leaves rows past the last offset uninitialised, in forward and
         backward), so the trailing undefined rows hold finite values and
-        their zero gradients stay zero."""
+        their zero gradients stay zero. An expert with no rows still gets
+        one aligned block of zero rows: on sm100 torch's kernel writes
+        garbage into the weight gradient of an empty group (pytorch#172439);
+        zero rows add nothing to it."""
         num_experts = w1.shape[0]
         align = 16 // dtype.itemsize
         counts = counts.to(torch.int64)
-        padded = (counts + align - 1) // align * align
+        padded = torch.where(counts == 0, align, (counts + align - 1) // align * align)
         # starts of each group (and of the trailing undefined rows) before and after padding
         start = torch.cumsum(counts, 0) - counts
         padded_start = torch.cumsum(padded, 0) - padded
         group = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
                                         output_size=x.shape[0])
         dest = torch.arange(x.shape[0], device=x.device) + (padded_start - start)[group]
-        rows = x.shape[0] + len(counts) * (align - 1)
+        rows = x.shape[0] + len(counts) * align
         xp = x.new_zeros(rows, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
         offs = torch.cumsum(padded[:num_experts], 0).to(torch.int32)
         offs = torch.cat([offs[:-1], offs.new_full((1,), rows)])
