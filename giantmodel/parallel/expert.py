@@ -105,11 +105,13 @@ class _ExpertParallel:
         # rows from rank s for this rank's expert j
         sent = routed.view(ep, local_experts)
         received = all_to_all_counts(sent, self.ep_group)
-        send_splits = sent.sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
+        # The all-to-all needs its split sizes on the host: one copy (one
+        # stream sync on a GPU) for every size this layer needs.
+        host = torch.cat([sent.sum(dim=1), received.sum(dim=1)]).tolist()
+        send_splits, recv_splits = host[:ep], host[ep:]
         n_routed = sum(send_splits)
         rows = all_to_all_rows(x[:n_routed], recv_splits, send_splits, self.ep_group)
-        order = _by_local_expert(received)
+        order = _by_local_expert(received, sum(recv_splits))
         back = torch.empty_like(order).scatter_(0, order, torch.arange(
             order.numel(), device=order.device))
         y = super().forward(gather_rows(rows, order, back), received.sum(dim=0),
@@ -125,16 +127,16 @@ class _ExpertParallel:
         return out
 
 
-def _by_local_expert(received: torch.Tensor) -> torch.Tensor:
+def _by_local_expert(received: torch.Tensor, total: int) -> torch.Tensor:
     """Row indices that regroup rows received as blocks (source s, local
     expert j), s-major, into j-major blocks (all of expert 0's rows, sources
-    in rank order, then expert 1's, ...). ``received`` [ep, E/ep] counts."""
+    in rank order, then expert 1's, ...). ``received`` [ep, E/ep] counts,
+    ``total`` their sum (known on the host)."""
     ep, local = received.shape
     sizes = received.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     blocks = torch.arange(ep * local, device=sizes.device).view(ep, local).t().reshape(-1)
     sizes_t, starts_t = sizes[blocks], starts[blocks]
-    total = int(sizes.sum())
     offset = torch.repeat_interleave(starts_t - (torch.cumsum(sizes_t, 0) - sizes_t), sizes_t,
                                      output_size=total)
     return torch.arange(total, device=sizes.device) + offset
