@@ -76,6 +76,18 @@ def _grouped_mm_on_cpu() -> bool:
 
 
 GROUPED_ON_CPU = _grouped_mm_on_cpu()
+
+
+def _experts(num: int, impl: str, dtype: torch.dtype = torch.float32):
+    """GroupedExperts of ``num`` experts with seeded N(0, 0.3) weights."""
+    from giantmodel.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(H, F, num, impl=impl).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    return experts
 IMPLS = ["loop"] + (["grouped_mm"] if GROUPED_ON_CPU else [])
 
 
@@ -101,13 +113,8 @@ def test_grouped_path_gives_an_empty_expert_zero_rows_and_a_zero_gradient():
     (sm100's kernel writes garbage into an empty group's weight gradient):
     every group the kernel sees is non-empty and starts aligned, the output
     equals the loop's, and the empty experts' weight gradients are zero."""
-    from giantmodel.models.common.moe import GroupedExperts
 
-    torch.manual_seed(0)
-    experts = GroupedExperts(H, F, 4, impl="grouped_mm").to(torch.bfloat16)
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.3)
+    experts = _experts(4, "grouped_mm", torch.bfloat16)
     counts = torch.tensor([0, 5, 0, 3, 2])       # experts 0 and 2 empty; 2 dropped rows
     x = torch.randn(10, H, dtype=torch.bfloat16)
     seen = []
@@ -524,14 +531,9 @@ def test_selective_recompute_keeps_the_expert_loops_gate_and_up_products():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from giantmodel.models.common.moe import GroupedExperts
     from giantmodel.parallel.recompute import _selective_context
 
-    torch.manual_seed(0)
-    experts = GroupedExperts(H, F, 3, impl="loop")
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.3)
+    experts = _experts(3, "loop")
     counts = torch.tensor([4, 5, 3])
     x = torch.randn(12, H, requires_grad=True)
     y = checkpoint(lambda t: experts(t, counts), x, use_reentrant=False,
@@ -562,7 +564,6 @@ def test_selective_recompute_keeps_the_grouped_gemms_outputs():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from giantmodel.models.common.moe import GroupedExperts
     from giantmodel.parallel.recompute import _selective_context
 
     class CountGrouped(TorchDispatchMode):
@@ -574,11 +575,7 @@ def test_selective_recompute_keeps_the_grouped_gemms_outputs():
             self.calls += func.overloadpacket is torch.ops.aten._grouped_mm
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    experts = GroupedExperts(H, F, 3, impl="grouped_mm")
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.3)
+    experts = _experts(3, "grouped_mm")
     counts = torch.tensor([4, 5, 3])
     x = torch.randn(12, H, requires_grad=True)
     seen = {}
