@@ -201,7 +201,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is only when the two lengths are equal. One new token sees every key,
     or the last ``window`` of them."""
     if softcap is not None:  # lower-right aligned too
-        return softcap_attention(q, k, v, softcap, window)
+        # The math path: flex is compiled for fixed shapes, and decoding
+        # changes the key length every token (a recompile each).
+        return softcap_attention(q, k, v, softcap, window, flex=False)
     rows, span = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if window is not None and span > window:

@@ -407,20 +407,21 @@ def _softcap_mod(cap: float):
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float,
                       window: int | None = None, mask=None,
-                      dropout_p: float = 0.0) -> torch.Tensor:
+                      dropout_p: float = 0.0, flex: bool = True) -> torch.Tensor:
     """Causal attention with the scores soft-capped before the softmax
     (Gemma 2's ``attn_logit_softcapping``: s -> tanh(s / cap) * cap), which
     SDPA and the flash kernels cannot do. ``q`` [B, H, rows, D] is the last
     rows of ``k``'s span (lower-right aligned, as :func:`window_band`);
     ``window`` and ``mask`` (a :class:`DenseMask` or :class:`FlexMask`) as in
     :func:`masked_attention`. CUDA without dropout: flex attention with the
-    cap as its ``score_mod``; otherwise the math path, scores computed
-    explicitly (the softmax in fp32, as Hugging Face's eager Gemma 2)."""
+    cap as its ``score_mod``; otherwise (or ``flex=False``) the math path,
+    scores computed explicitly (the softmax in fp32, as Hugging Face's eager
+    Gemma 2)."""
     rows, span = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, VarlenMask):
         raise ValueError("soft-capped attention takes a dense or flex document mask, not varlen")
-    if q.is_cuda and not dropout_p and not isinstance(mask, DenseMask):
+    if flex and q.is_cuda and not dropout_p and not isinstance(mask, DenseMask):
         # window=span: a band as wide as the span is the plain causal mask
         block = (mask.for_window(window) if mask is not None
                  else _sliding_block_mask(rows, span, window or span, str(q.device)))
