@@ -18,6 +18,7 @@ Ranks start in one of two ways (``start``, or ``GIANTMODEL_RANKS_START``):
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue as queue_module
@@ -82,6 +83,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             caller: int | None = None) -> None:
     if caller is not None:
         _take_callers_stdio(caller)
+    # A rank killed by a signal (a crash in native code) prints every
+    # thread's Python stack to its stderr, which the test's capture shows.
+    faulthandler.enable(all_threads=True)
     # A forked rank inherits the fork server's environment, not the caller's:
     # ``env`` carries the caller's whole environment (see _run_once).
     os.environ.clear()
