@@ -116,6 +116,8 @@ def test_non_finite_overflow_and_spike_steps_are_skipped_on_every_rank(tmp_path,
     assert "train.max_skipped_steps=3" in msg
     assert f"the grad of {r0['stop']['first']} on rank 1" in msg, msg
     assert torch.equal(r0["stop"]["final"], r1["stop"]["final"])
+    # a stop every rank decided alike is no hang: no rank wrote a hang report
+    assert not sorted((tmp_path / "stop").glob("hang-*.txt"))
 
     # 6: the loss spike at step 8 is skipped and logged
     s = r0["spike"]

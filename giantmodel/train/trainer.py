@@ -365,6 +365,11 @@ class Trainer:
             self.ckpt.wait()
         except Exception as e:
             self.profiler.on_error(e)  # a CUDA OOM leaves a memory snapshot
+            if isinstance(e, RunStopped):
+                # Decided on every rank alike from reduced values: no peer is
+                # lost or late, and a hang report would leave every rank a
+                # hang-<rank>.txt and the store's hang key set.
+                raise
             lost = self._lost_peers(e)
             if lost is None:
                 hung = self.hang.report()
