@@ -42,8 +42,9 @@ _aten = torch.ops.aten
 # The routed experts' grouped GEMM (CUDA, bf16) counts as a matmul: keeping its
 # outputs is what the planner's selective terms assume (torch.ops.aten grew
 # _grouped_mm after 2.7; older torch never reaches that path).
-_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default} | {
-    getattr(_aten, name).default for name in ("_grouped_mm",) if hasattr(_aten, name)}
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default}
+if hasattr(_aten, "_grouped_mm"):
+    _MATMULS.add(_aten._grouped_mm.default)
 _ATTENTION = {
     getattr(_aten, name).default
     for name in ("_scaled_dot_product_flash_attention",

@@ -287,7 +287,8 @@ def moe_selective_terms(m, precision: str) -> list[Term]:
         t for t in moe_ffn_terms(m, precision) if t.name in keep]
     if precision == "bf16":
         rows = routed_rows_per_token(m)
-        terms.append(Term("moe.experts.w2_out", 2 * rows * m.hidden_size, "full"))
+        terms.append(Term("moe.experts.w2_out", DTYPE_BYTES[precision] * rows * m.hidden_size,
+                          "full"))
     return terms
 
 
